@@ -1,0 +1,1 @@
+"""Checkpoint conversion: `python -m convert --help`."""

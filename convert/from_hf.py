@@ -1,0 +1,151 @@
+"""transformers Qwen3 / Qwen2 / Llama checkpoint -> R2LM checkpoint (DESIGN section 7).
+
+The backbone's tensors keep their names; sidecars are added with zero gates (the converted model is the
+backbone, bit for bit, until training opens them); a [MASK] token is added to the tokenizer and the
+embeddings when the vocabulary has none.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config, read_state_dict
+from r2lm import R2LMConfig, R2LMForDiffusionLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = ("qwen3", "qwen2", "llama")
+DEFAULT_MASK_TOKEN = "<|mask|>"
+
+
+def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
+    """The R2LM config of a transformers Qwen3 / Qwen2 / Llama config, plus the diffusion fields given."""
+    arch = hf_config.model_type
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported source architecture {arch!r}; supported: {', '.join(SUPPORTED)}")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"{arch} checkpoint uses sliding-window attention, which r2lm does not support")
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    return R2LMConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        hidden_act=hf_config.hidden_act,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        initializer_range=hf_config.initializer_range,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_parameters=dict(hf_config.rope_parameters),
+        # Qwen2: bias on q/k/v only; Qwen3 and Llama: `attention_bias` on q/k/v/o.
+        attention_bias=True if arch == "qwen2" else bias,
+        o_proj_bias=False if arch == "qwen2" else bias,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=hf_config.tie_word_embeddings,
+        pad_token_id=hf_config.pad_token_id,
+        bos_token_id=hf_config.bos_token_id,
+        eos_token_id=hf_config.eos_token_id,
+        dtype=hf_config.dtype,
+        **diffusion,
+    )
+
+
+def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor]) -> None:
+    """Copy a transformers state dict into `model` by name; everything but the sidecars must be present."""
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k: v for k, v in model.state_dict().items() if ".sidecar." not in k}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the config does not describe: {unexpected[:5]}")
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f"{key} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[key].shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def add_mask_row(model: R2LMForDiffusionLM, mask_id: int) -> None:
+    """Make room for `mask_id` and set its embedding (and untied output) row to the mean row.
+
+    The mean embedding keeps the new input in the distribution the backbone was trained on."""
+    if mask_id >= model.config.vocab_size:
+        model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[mask_id] = emb[:mask_id].float().mean(0).to(emb.dtype)
+        if not model.config.tie_word_embeddings:
+            head = model.lm_head.weight
+            head[mask_id] = head[:mask_id].float().mean(0).to(head.dtype)
+
+
+def convert_from_hf(
+    src,
+    dst,
+    sidecar_layers=(),
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    **diffusion,
+) -> Path:
+    """Convert the checkpoint folder `src` into an R2LM checkpoint folder `dst`; returns `dst`.
+
+    diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    arch = read_config(src).get("model_type")
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")
+    hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    config = r2lm_config_from_hf(hf_config, sidecar_layers=list(sidecar_layers), **diffusion)
+    dtype = dtype or config.dtype or torch.float32
+    state = read_state_dict(src)
+
+    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True) if has_tokenizer(src) else None
+    new_token = False
+    if mask_token_id is None and tokenizer is not None:
+        existing = tokenizer.convert_tokens_to_ids(mask_token)
+        if existing is not None and existing != tokenizer.unk_token_id:
+            mask_token_id = existing
+        else:
+            tokenizer.add_special_tokens({"mask_token": mask_token})
+            mask_token_id, new_token = tokenizer.convert_tokens_to_ids(mask_token), True
+        tokenizer.mask_token = mask_token
+    elif mask_token_id is None:  # no tokenizer: a new id after the vocabulary
+        mask_token_id, new_token = config.vocab_size, True
+    if mask_token_id < 0:
+        raise ValueError(f"mask token id must be non-negative, got {mask_token_id}")
+
+    logger.info("building R2LM (%s, %d layers, sidecars on %s) in %s", arch, config.num_hidden_layers, config.sidecar_layers, dtype)
+    model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
+    load_backbone(model, state)
+    if new_token or mask_token_id >= model.config.vocab_size:
+        add_mask_row(model, mask_token_id)
+    model.config.mask_token_id = mask_token_id
+    model.config._check()
+
+    with atomic_output_dir(dst, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    logger.info("mask token id %d; %s", mask_token_id, "added" if new_token else "already in the vocabulary")
+    return dst

@@ -1,0 +1,54 @@
+"""KVCache: preallocated keys and values of clean (committed) tokens, one buffer per softmax layer.
+
+Rows advance in lockstep (one column per token slot); left padding is masked by `valid` rather than by per-row
+offsets, and `next_position` holds each row's next RoPE position (its count of real tokens so far).
+
+A forward over the cache writes its own keys and values into the scratch columns [length, length + T) and
+attends over [0, length + T): no concatenation, no reallocation. Only `advance` (called by prefill / commit)
+moves `length`, so a denoise step leaves the committed part untouched and its scratch is simply overwritten
+by the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, config, batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device | str):
+        if batch_size <= 0 or max_length <= 0:
+            raise ValueError(f"KVCache needs a positive batch size and length, got {batch_size} and {max_length}")
+        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.valid.shape[1]
+
+    def check_room(self, num_tokens: int) -> None:
+        if self.length + num_tokens > self.max_length:
+            raise ValueError(
+                f"KVCache overflow: {self.length} cached + {num_tokens} new tokens exceed its max_length {self.max_length}"
+            )
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        """Write key/value [B, Hkv, T, d] into the scratch columns; return keys and values over [0, length + T)."""
+        end = self.length + key.shape[2]
+        self.key[layer_idx][:, :, self.length : end] = key
+        self.value[layer_idx][:, :, self.length : end] = value
+        return self.key[layer_idx][:, :, :end], self.value[layer_idx][:, :, :end]
+
+    def advance(self, valid: torch.Tensor) -> None:
+        """Commit the columns just written: valid [B, T] marks real tokens (False for padding)."""
+        end = self.length + valid.shape[1]
+        self.valid[:, self.length : end] = valid
+        self.next_position += valid.sum(dim=1)
+        self.length = end

@@ -1,0 +1,145 @@
+"""R2LMConfig: one config for the whole bifocal model family (DESIGN section 1).
+
+The backbone fields and their names are those of transformers' Qwen3 / Qwen2 / Llama configs, so a
+converted config reads like its source. The diffusion fields choose the attention kind, the prediction
+convention, the [MASK] id, the block size and which layers carry a reverse Mamba sidecar or block-hybrid
+linear attention.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+ATTENTION_KINDS = ("causal", "block_causal", "bidirectional")
+PREDICTIONS = ("shift", "inplace")
+# RoPE types whose frequencies do not depend on the sequence length: a cached key stays exact. "dynamic" and
+# "longrope" rescale with the current length, which would silently invalidate every cached key.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class R2LMConfig(PreTrainedConfig):
+    r"""Configuration of [`R2LMForDiffusionLM`].
+
+    Backbone (Llama / Qwen2 / Qwen3 family): `vocab_size`, `hidden_size`, `intermediate_size`,
+    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads` (GQA), `head_dim`, `hidden_act`,
+    `max_position_embeddings`, `rms_norm_eps`, `rope_parameters`, `attention_bias` (bias on q/k/v),
+    `o_proj_bias`, `mlp_bias`, `qk_norm` (Qwen3's RMSNorm over head_dim on q and k), `tie_word_embeddings`.
+
+    Diffusion:
+        attention: "causal" (R2LM, AR backbones), "block_causal" (bidirectional inside a chunk, causal across
+            chunks) or "bidirectional" (LLaDA 1).
+        prediction: "shift" (hidden state at i-1 predicts token i) or "inplace" (the [MASK] at i predicts i).
+        mask_token_id: id of the [MASK] token.
+        block_size: diffusion block length used by training and decoding.
+        sidecar_layers: indices of layers that carry the reverse Mamba2 sidecar.
+        sidecar_d_state, sidecar_expand, sidecar_headdim, sidecar_ngroups, sidecar_chunk_size, sidecar_d_conv:
+            shape of each sidecar's Mamba2 mixer.
+        hybrid_layers: indices of block-hybrid layers (linear attention over committed blocks).
+        hybrid_feature_dim: Hedgehog feature dimension of the hybrid layers.
+    """
+
+    model_type = "r2lm"
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    attention: str = "causal"
+    prediction: str = "shift"
+    mask_token_id: int | None = None
+    block_size: int = 32
+
+    sidecar_layers: list[int] | None = None
+    sidecar_d_state: int = 64
+    sidecar_expand: int = 2
+    sidecar_headdim: int = 64
+    sidecar_ngroups: int = 1
+    sidecar_chunk_size: int = 64
+    sidecar_d_conv: int = 4
+
+    hybrid_layers: list[int] | None = None
+    hybrid_feature_dim: int = 64
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); set head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.sidecar_layers = sorted(int(i) for i in (self.sidecar_layers or []))
+        self.hybrid_layers = sorted(int(i) for i in (self.hybrid_layers or []))
+        super().__post_init__(**kwargs)
+        self._check()
+
+    def _check(self) -> None:
+        """Every bad value raises a ValueError that names it, at construction and at load time."""
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {self.attention!r}; expected one of {ATTENTION_KINDS}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"unknown prediction {self.prediction!r}; expected one of {PREDICTIONS}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not divisible by num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("sidecar_layers", "hybrid_layers"):
+            layers = getattr(self, name)
+            bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(f"{name} {bad} out of range for a model with {self.num_hidden_layers} layers")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"{name} lists a layer twice: {layers}")
+        if self.sidecar_layers and self.attention == "bidirectional":
+            raise ValueError("sidecar_layers need a causal or block_causal model: bidirectional attention already sees the right context")
+        if self.sidecar_layers:
+            d_inner = self.sidecar_expand * self.hidden_size
+            if d_inner % self.sidecar_headdim:
+                raise ValueError(f"sidecar inner size {d_inner} is not divisible by sidecar_headdim {self.sidecar_headdim}")
+            if (d_inner // self.sidecar_headdim) % self.sidecar_ngroups:
+                raise ValueError(
+                    f"sidecar heads ({d_inner // self.sidecar_headdim}) are not divisible by sidecar_ngroups "
+                    f"({self.sidecar_ngroups})"
+                )
+        if self.hybrid_layers and self.hybrid_feature_dim > self.head_dim:
+            raise ValueError(f"hybrid_feature_dim {self.hybrid_feature_dim} is above head_dim {self.head_dim}")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported: its frequencies change with the sequence length, which "
+                f"would make cached keys inexact; supported: {ROPE_TYPES}"
+            )
+
+    @property
+    def num_sidecar_parameters(self) -> int:
+        """Parameters one sidecar adds (norm, mixer, gate), for sizing sidecars against the backbone."""
+        d, d_inner = self.hidden_size, self.sidecar_expand * self.hidden_size
+        nheads = d_inner // self.sidecar_headdim
+        conv_dim = d_inner + 2 * self.sidecar_ngroups * self.sidecar_d_state
+        in_proj = d * (d_inner + conv_dim + nheads)
+        conv = conv_dim * (self.sidecar_d_conv + 1)
+        return d + in_proj + conv + 3 * nheads + d_inner + d_inner * d + 1

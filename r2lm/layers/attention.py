@@ -1,0 +1,49 @@
+import torch
+from torch import nn
+
+from r2lm.layers.norm import RMSNorm
+from r2lm.layers.rotary import apply_rotary
+from r2lm.ops import attention
+
+
+class Attention(nn.Module):
+    """GQA softmax attention with RoPE; optional q/k RMSNorm over head_dim (Qwen3) and q/k/v bias (Qwen2).
+
+    The mask comes from the layout (see r2lm.layout); with a cache, keys and values of this forward are
+    written into the cache's scratch columns and attention runs over everything cached so far plus them."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries, keys, values [B, heads, T, head_dim] with RoPE applied."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, mask, cache=None, is_causal=False):
+        q, k, v = self.project(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        out = attention(q, k, v, mask, self.scaling, is_causal=is_causal)
+        return self.o_proj(out.transpose(1, 2).flatten(2))

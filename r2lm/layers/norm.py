@@ -1,0 +1,35 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32, as Qwen3RMSNorm / LlamaRMSNorm (the weight multiplies after the cast back)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's output norm: RMSNorm(y * silu(z)) per group of channels (norm_before_gate=False)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.variance_epsilon = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(z.float())
+        groups = y.unflatten(-1, (-1, self.group_size))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * groups.flatten(-2).to(dtype)

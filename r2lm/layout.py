@@ -1,0 +1,163 @@
+"""Layouts: what each column of one forward is (DESIGN section 2).
+
+A layout gives every column of the input
+- a RoPE position (per row: left-padded rows have their own positions),
+- a chunk index: the unit one prefill / commit call appends, or one diffusion window,
+- whether it is clean context or part of an active (noisy) window,
+- whether it is a real token or padding.
+
+The attention mask and the sidecar's scope are both derived from it, so training (dual stream) and decoding
+(prefill, denoise, commit over a cache) cannot drift apart:
+
+- a clean column sees clean columns of earlier chunks, and clean columns of its own chunk causally
+  (`causal`) or all of them (`block_causal`);
+- a window column sees clean columns of earlier chunks, and columns of its own window causally or fully;
+- `bidirectional`: every real column sees every real column;
+- columns already in a KV cache are clean and belong to earlier chunks: every column sees them.
+
+The sidecar runs over each window (the noisy columns of one chunk) and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(eq=False)
+class Layout:
+    positions: torch.Tensor  # long [B or 1, T]: RoPE positions
+    chunks: torch.Tensor  # long [T]: chunk index, shared by all rows
+    noisy: torch.Tensor  # bool [T]: column belongs to an active window
+    valid: torch.Tensor | None = None  # bool [B, T]: False for padding; None when every column is real
+
+    def __post_init__(self):
+        T = self.chunks.shape[0]
+        if self.positions.dim() != 2 or self.positions.shape[1] != T or self.noisy.shape != (T,):
+            raise ValueError(
+                f"layout shapes disagree: positions {tuple(self.positions.shape)}, chunks {tuple(self.chunks.shape)}, "
+                f"noisy {tuple(self.noisy.shape)}"
+            )
+        if self.valid is not None and (self.valid.dim() != 2 or self.valid.shape[1] != T):
+            raise ValueError(f"layout valid mask {tuple(self.valid.shape)} does not match {T} columns")
+
+    @property
+    def length(self) -> int:
+        return self.chunks.shape[0]
+
+    # ---------------------------------------------------------------- builders
+
+    @classmethod
+    def span(cls, attention_mask: torch.Tensor, start=0, noisy: bool = False, chunk: int = 0) -> Layout:
+        """One chunk of columns: clean context (`noisy=False`) or one window (`noisy=True`).
+
+        attention_mask [B, T] (1 = token, 0 = left padding); start: each row's first position (int or [B])."""
+        valid = attention_mask.bool()
+        start = torch.as_tensor(start, device=valid.device).reshape(-1, 1)
+        positions = start + (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        T = valid.shape[1]
+        return cls(
+            positions=positions,
+            chunks=torch.full((T,), chunk, dtype=torch.long, device=valid.device),
+            noisy=torch.full((T,), noisy, dtype=torch.bool, device=valid.device),
+            valid=None if bool(valid.all()) else valid,
+        )
+
+    @classmethod
+    def cat(cls, *layouts: Layout) -> Layout:
+        """Columns of several layouts side by side (their chunk indices must already be distinct)."""
+        batch = max(lay.positions.shape[0] for lay in layouts)
+        valid = None
+        if any(lay.valid is not None for lay in layouts):
+            valid = torch.cat([lay.valid_mask(batch) for lay in layouts], dim=1)
+        return cls(
+            positions=torch.cat([lay.positions.expand(batch, -1) for lay in layouts], dim=1),
+            chunks=torch.cat([lay.chunks for lay in layouts]),
+            noisy=torch.cat([lay.noisy for lay in layouts]),
+            valid=valid,
+        )
+
+    def valid_mask(self, batch: int) -> torch.Tensor:
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(batch, self.length, dtype=torch.bool, device=self.chunks.device)
+
+    # ---------------------------------------------------------------- derived
+
+    def attention_mask(self, kind: str, cached: torch.Tensor | None = None) -> torch.Tensor:
+        """Boolean mask [B or 1, 1, T, C + T] (True = attend); `cached` [B, C] marks real cached columns."""
+        qp, kp = self.positions[:, :, None], self.positions[:, None, :]
+        qc, kc = self.chunks[None, :, None], self.chunks[None, None, :]
+        qn, kn = self.noisy[None, :, None], self.noisy[None, None, :]
+        if kind == "bidirectional":
+            allowed = torch.ones_like(qp == kp)
+        else:
+            own = (qc == kc) & (qn == kn)
+            if kind == "causal":
+                own = own & (kp <= qp)
+            allowed = own | (~kn & (kc < qc))
+        if self.valid is not None:
+            allowed = allowed & self.valid[:, None, :]
+            # padding queries attend to themselves only, so their (unused) rows stay finite
+            diagonal = torch.eye(self.length, dtype=torch.bool, device=allowed.device)
+            allowed = allowed | (diagonal & ~self.valid[:, :, None])
+        if cached is not None and cached.shape[1]:
+            past = cached[:, None, :].expand(-1, self.length, -1)
+            allowed = torch.cat([past, allowed.expand(past.shape[0], -1, -1)], dim=2)
+        return allowed[:, None]
+
+    @cached_property
+    def windows(self) -> torch.Tensor | None:
+        """[W, Lw] column indices of each window (the noisy columns of one chunk), right-aligned, -1 padded."""
+        cols = torch.nonzero(self.noisy).flatten()
+        if cols.numel() == 0:
+            return None
+        ids, counts = torch.unique_consecutive(self.chunks[cols], return_counts=True)
+        if len(ids) != len(torch.unique(ids)):
+            raise ValueError("the columns of a window must be contiguous")
+        width = int(counts.max())
+        out = torch.full((len(ids), width), -1, dtype=torch.long, device=cols.device)
+        for w, (piece, n) in enumerate(zip(cols.split(counts.tolist()), counts.tolist())):
+            out[w, width - n :] = piece
+        return out
+
+    @property
+    def is_plain(self) -> bool:
+        """One clean chunk with no padding: the mask is plain causal (or empty), so SDPA can take a fast path."""
+        return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks[0]).all())
+
+
+def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction: str):
+    """The block-diffusion training layout of BD3-LM / Fast-dLLM v2 (DESIGN 2.1): `[windows of x_t ; x_0]`.
+
+    x0 [B, L] clean tokens, xt [B, L] the same tokens with some replaced by [MASK]. Block k covers
+    `[k*b, (k+1)*b)`; block 0 is context only. For each later block the input holds one window:
+    - `inplace`: positions [kb, (k+1)b) with inputs xt there; column j predicts x0[j];
+    - `shift`: positions [kb - 1, (k+1)b - 1) with inputs [x0[kb-1], xt[kb .. (k+1)b-2]]; column p predicts x0[p+1].
+    The clean stream is x0 at positions 0..L-1, chunked like decoding commits it (block k's chunk opens at kb - 1
+    under `shift`), so a window sees exactly the clean prefix decoding would hold in its cache.
+
+    Returns (input_ids [B, T], layout, target [T]) where target[j] is the index into x0 that column j predicts
+    (-1 for clean columns).
+    """
+    if x0.shape != xt.shape or x0.dim() != 2:
+        raise ValueError(f"x0 {tuple(x0.shape)} and xt {tuple(xt.shape)} must both be [batch, length]")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    length, device = x0.shape[1], x0.device
+    offset = 1 if prediction == "shift" else 0
+    pos = torch.arange(length, device=device)
+    chunk_of = (pos + offset) // block_size  # block k's chunk is [kb - offset, (k+1)b - offset)
+    win_pos = pos[(chunk_of >= 1) & (pos + offset < length)]
+    win_inputs = xt[:, win_pos]
+    if offset:  # each window opens with the last clean token before its block
+        win_inputs = torch.where((win_pos + 1) % block_size == 0, x0[:, win_pos], win_inputs)
+    layout = Layout(
+        positions=torch.cat([win_pos, pos])[None],
+        chunks=torch.cat([chunk_of[win_pos], chunk_of]),
+        noisy=torch.cat([torch.ones_like(win_pos, dtype=torch.bool), torch.zeros_like(pos, dtype=torch.bool)]),
+    )
+    target = torch.cat([win_pos + offset, torch.full_like(pos, -1)])
+    return torch.cat([win_inputs, x0], dim=1), layout, target

@@ -1,0 +1,181 @@
+"""R2LMForDiffusionLM: a Llama / Qwen2 / Qwen3 decoder with the bifocal additions (DESIGN sections 1-2).
+
+One forward computes logits for a layout (r2lm.layout). Three uses of it:
+
+    model(input_ids, layout=...)          training and full recompute (the test oracle)
+    model.prefill / model.commit          clean tokens appended to a KVCache, no sidecar
+    model.denoise                         one window read against the cache, sidecar on, cache unchanged
+
+Parameter names are transformers' (`model.layers.N.self_attn.q_proj.weight`, ...), so a Qwen3 / Qwen2 / Llama
+state dict loads by name; the sidecar of layer N lives under `model.layers.N.sidecar.*`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutput
+
+from r2lm.cache import KVCache
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.layers import MLP, Attention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
+from r2lm.layout import Layout
+
+
+class R2LMDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: R2LMConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sidecar = ReverseSidecar(config) if layer_idx in config.sidecar_layers else None
+
+    def forward(self, h, cos, sin, mask, cache=None, windows=None, is_causal=False):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, is_causal)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        if self.sidecar is not None and windows is not None:
+            h = self.sidecar(h, windows)
+        return h
+
+
+class R2LMModel(nn.Module):
+    def __init__(self, config: R2LMConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
+        self.layers = nn.ModuleList(R2LMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(h, layout.positions)
+        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
+        plain = cache is None and layout.is_plain
+        mask = None if plain else layout.attention_mask(self.config.attention, cache.valid[:, : cache.length] if cache else None)
+        is_causal = plain and self.config.attention == "causal"
+        windows = layout.windows if self.config.sidecar_layers else None
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, cache, windows, is_causal)
+        return self.norm(h)
+
+
+class R2LMPreTrainedModel(PreTrainedModel):
+    config_class = R2LMConfig
+    config: R2LMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["R2LMDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Mamba2Mixer):
+            module.reset_ssm_parameters()
+            init.kaiming_uniform_(module.conv1d.weight, a=5**0.5)
+            init.zeros_(module.conv1d.bias)
+        elif isinstance(module, ReverseSidecar):
+            init.zeros_(module.gate)
+
+
+class R2LMForDiffusionLM(R2LMPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: R2LMConfig):
+        super().__init__(config)
+        self.model = R2LMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        layout: Layout | None = None,
+        cache: KVCache | None = None,
+        update_cache: bool = False,
+        logits_to_keep: int = 0,
+        **unused,
+    ) -> CausalLMOutput:
+        """Logits [B, T, vocab] (or of the last `logits_to_keep` columns) for `input_ids` [B, T].
+
+        Without a layout the input is one clean chunk: causal for a causal model (a plain LM forward, positions
+        from the left-padded `attention_mask`), fully visible for block_causal and bidirectional models. With a
+        cache, its committed tokens precede the input; `update_cache=True` appends the input to it, which is
+        only exact for clean tokens."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, length] with length > 0, got {tuple(input_ids.shape)}")
+        if layout is None:
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            start = cache.next_position if cache is not None else 0
+            layout = Layout.span(attention_mask, start=start)
+        if layout.length != input_ids.shape[1]:
+            raise ValueError(f"layout has {layout.length} columns but input_ids has {input_ids.shape[1]}")
+        if cache is not None:
+            self._check_cache(cache, input_ids)
+        if update_cache and (cache is None or bool(layout.noisy.any())):
+            raise ValueError("update_cache needs a cache and a layout of clean tokens only (windows are never cached)")
+        h = self.model(input_ids, layout, cache)
+        if update_cache:
+            cache.advance(layout.valid_mask(input_ids.shape[0]))
+        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return CausalLMOutput(logits=logits)
+
+    def _check_cache(self, cache: KVCache, input_ids: torch.Tensor) -> None:
+        if cache.batch_size != input_ids.shape[0]:
+            raise ValueError(f"cache batch size {cache.batch_size} != input batch size {input_ids.shape[0]}")
+        if len(cache.key) != self.config.num_hidden_layers or cache.key[0].shape[1] != self.config.num_key_value_heads:
+            raise ValueError("cache was built for a different model configuration")
+        cache.check_room(input_ids.shape[1])
+
+    # ------------------------------------------------------------------ the cached uses of one forward
+
+    def new_cache(self, batch_size: int, max_length: int, dtype=None, device=None) -> KVCache:
+        """A preallocated cache for `batch_size` rows of up to `max_length` tokens (prompt + generation)."""
+        if max_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_length {max_length} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}"
+            )
+        return KVCache(self.config, batch_size, max_length, dtype or self.dtype, device or self.device)
+
+    def prefill(self, input_ids, cache: KVCache, attention_mask=None, logits_to_keep: int = 1) -> torch.Tensor:
+        """Append clean tokens (a left-padded prompt) to the cache, sidecar off. Returns the last logits."""
+        layout = Layout.span(_ones_if_none(attention_mask, input_ids), start=cache.next_position)
+        return self(input_ids, layout=layout, cache=cache, update_cache=True, logits_to_keep=logits_to_keep).logits
+
+    def commit(self, input_ids, cache: KVCache, attention_mask=None, logits_to_keep: int = 1) -> torch.Tensor:
+        """Append a finished block as clean tokens (same computation as prefill: one chunk of clean context)."""
+        return self.prefill(input_ids, cache, attention_mask, logits_to_keep)
+
+    def denoise(self, window_ids, cache: KVCache, attention_mask=None) -> torch.Tensor:
+        """Logits of one window [B, T] read against the cache, sidecar on. The committed cache is unchanged."""
+        layout = Layout.span(_ones_if_none(attention_mask, window_ids), start=cache.next_position, noisy=True)
+        return self(window_ids, layout=layout, cache=cache).logits
+
+    # ------------------------------------------------------------------ training helpers
+
+    def freeze_backbone(self) -> list[str]:
+        """Train only the sidecars and their gates (R2LM's plug-in variant). Returns the trainable names."""
+        if not self.config.sidecar_layers:
+            raise ValueError("freeze_backbone leaves nothing to train: the model has no sidecar_layers")
+        trainable = []
+        for name, param in self.named_parameters():
+            param.requires_grad_(".sidecar." in name)
+            if param.requires_grad:
+                trainable.append(name)
+        return trainable
+
+
+def _ones_if_none(attention_mask, input_ids):
+    return torch.ones_like(input_ids) if attention_mask is None else attention_mask

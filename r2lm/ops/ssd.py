@@ -1,0 +1,105 @@
+"""Mamba2 structured state-space duality (SSD) scan.
+
+Per head h with scalar decay A_h < 0, for t = 0..L-1 (state [headdim, d_state], zero at t = -1):
+
+    dt_t    = softplus(dt_raw_t + dt_bias)
+    state_t = exp(dt_t * A) * state_{t-1} + dt_t * x_t B_t^T
+    y_t     = state_t C_t + D * x_t
+
+`ssd_recurrent_ref` runs it step by step (the oracle); `ssd_chunk_scan_ref` is the chunked form (quadratic
+inside a chunk, a recurrence over chunk states between chunks) that runs fast on CPU; `ssd_scan` picks
+mamba_ssm's Triton kernel for CUDA tensors when it is installed.
+
+Shapes: x [B, L, H, P], dt [B, L, H], A [H], B and C [B, L, G, N] with G dividing H, D [H].
+"""
+
+import torch
+import torch.nn.functional as F
+
+from r2lm.ops.kernels import optional_import
+
+
+def _discretise(dt, dt_bias):
+    return F.softplus(dt.float() + dt_bias.float())
+
+
+def _heads(t, nheads):
+    """[B, L, G, N] -> [B, L, H, N]: each group of B/C serves nheads / G consecutive heads."""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def ssd_recurrent_ref(x, dt, A, B, C, D=None, dt_bias=None):
+    """Step-by-step recurrence in fp32: the definition, used as the test oracle."""
+    batch, length, nheads, _ = x.shape
+    dt = _discretise(dt, dt_bias if dt_bias is not None else torch.zeros_like(A))
+    B, C = _heads(B.float(), nheads), _heads(C.float(), nheads)
+    state = x.new_zeros(batch, nheads, x.shape[3], B.shape[3], dtype=torch.float32)
+    ys = []
+    for t in range(length):
+        decay = torch.exp(dt[:, t] * A.float())  # [B, H]
+        inp = (dt[:, t, :, None] * x[:, t].float())[..., None] * B[:, t, :, None, :]
+        state = decay[..., None, None] * state + inp
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
+
+
+def _segsum(x):
+    """x [..., T] -> [..., T, T] with out[i, j] = x[j+1] + ... + x[i] for i >= j and -inf above the diagonal.
+
+    Summing masked copies (rather than subtracting cumulative sums) keeps it exact for long chunks."""
+    T = x.shape[-1]
+    x = x[..., None].expand(*x.shape, T)
+    below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=-1)
+    x = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    on_or_below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=0)
+    return x.masked_fill(~on_or_below, float("-inf"))
+
+
+def ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
+    """Chunked SSD in fp32, any length (the tail is zero-padded: dt = 0 there, so it neither decays nor feeds)."""
+    batch, length, nheads, headdim = x.shape
+    dtype = x.dtype
+    dt = _discretise(dt, dt_bias if dt_bias is not None else torch.zeros_like(A))
+    x, B, C = x.float(), _heads(B.float(), nheads), _heads(C.float(), nheads)
+    pad = (-length) % chunk_size
+    if pad:
+        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        dt = F.pad(dt, (0, 0, 0, pad))
+    nchunks = x.shape[1] // chunk_size
+    # [B, c, s, H, ...]: chunk c, step s inside it
+    x, B, C = (t.reshape(batch, nchunks, chunk_size, nheads, -1) for t in (x, B, C))
+    dt = dt.reshape(batch, nchunks, chunk_size, nheads)
+    xdt = x * dt[..., None]
+    dA = (dt * A.float()).permute(0, 3, 1, 2)  # [B, H, c, s]
+    dA_cumsum = torch.cumsum(dA, dim=-1)
+
+    # 1. Inside each chunk: y_l = sum_{s <= l} (C_l . B_s) exp(dA_{s+1} + ... + dA_l) dt_s x_s
+    decay = torch.exp(_segsum(dA)).permute(0, 2, 1, 3, 4)  # [B, c, H, l, s]
+    scores = torch.einsum("bclhn,bcshn->bchls", C, B) * decay
+    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+
+    # 2. The state each chunk leaves behind, from its own inputs only.
+    decay_to_end = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)  # [B, H, c, s]
+    chunk_states = torch.einsum("bcshn,bhcs,bcshp->bchpn", B, decay_to_end, xdt)
+
+    # 3. Carry states across chunks: the state entering chunk c sums chunk states c' < c, decayed.
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    chunk_decay = torch.exp(_segsum(F.pad(dA_cumsum[..., -1], (1, 0))))  # [B, H, c+1, c+1]
+    entering = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, chunk_states)[:, :-1]
+
+    # 4. What the entering state contributes at each step.
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(dA_cumsum))
+    y = y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :length]
+    if D is not None:
+        y = y + x.reshape(batch, -1, nheads, headdim)[:, :length] * D.float()[:, None]
+    return y.to(dtype)
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
+    """SSD scan: mamba_ssm's `mamba_chunk_scan_combined` on CUDA when installed, else `ssd_chunk_scan_ref`."""
+    if x.is_cuda and (fn := optional_import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")):
+        return fn(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+    return ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias)
