@@ -59,6 +59,9 @@ def atomic_output_dir(dst: Path, overwrite: bool = False):
         raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any other folder
     try:
         yield tmp
     except BaseException:

@@ -1,0 +1,134 @@
+"""Training objectives (DESIGN section 3).
+
+Each objective maps a batch of clean token ids x0 [B, L] (packed text, optional padding mask) to a scalar
+loss, drawing its noise from a `torch.Generator` so that a run can be replayed exactly.
+
+Normalisation. With per-token mask probability p, the masked-diffusion ELBO weights the cross-entropy of each
+masked token by 1 / p; both diffusion objectives sum those weighted terms and divide by the number of tokens
+that *could* have been masked (real tokens, not separators, inside noised blocks). That is an unbiased estimate
+of the per-token negative ELBO, comparable across batch compositions and equal in scale to the AR loss. The AR
+loss is the mean next-token cross-entropy over predicted real tokens.
+
+What never carries a loss: padding; separator tokens (they are never masked: they are context, not content);
+the clean stream; the first block of the `block` objective (context only); under AR, the position whose input
+is a separator (the next document's first token is not predictable from the previous document).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from r2lm.layout import dual_stream
+
+OBJECTIVES = ("ar", "mdlm", "block")
+# attention kinds each objective trains: mdlm's single noisy stream needs bidirectional attention (under causal
+# attention a masked token would see nothing to its right); block needs a layout decoding can cache.
+FITS = {"ar": ("causal",), "mdlm": ("bidirectional",), "block": ("causal", "block_causal")}
+
+
+@dataclass
+class Loss:
+    loss: torch.Tensor  # scalar to backpropagate
+    tokens: int  # tokens the loss is normalised by (denominator)
+    masked: int  # tokens that received a loss term
+
+
+def check_objective(name: str, config) -> None:
+    """Reject an objective that does not fit the model, before any work starts."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
+    if config.attention not in FITS[name]:
+        raise ValueError(
+            f"objective {name!r} does not fit a {config.attention!r} model (it needs attention in {FITS[name]})"
+        )
+    if name == "ar" and config.prediction != "shift":
+        raise ValueError("objective 'ar' needs prediction='shift' (the hidden state at i-1 predicts token i)")
+    if name != "ar" and config.mask_token_id is None:
+        raise ValueError(f"objective {name!r} needs config.mask_token_id")
+
+
+def _eligible(x0, attention_mask, separator_id):
+    ok = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if separator_id is not None:
+        ok = ok & (x0 != separator_id)
+    return ok
+
+
+def _mask_probability(t, eps):
+    return (1 - eps) * t + eps
+
+
+def ar_loss(model, x0, attention_mask=None, separator_id=None, generator=None, config=None) -> Loss:
+    logits = model(x0, attention_mask=attention_mask).logits[:, :-1]
+    target = x0[:, 1:]
+    keep = _eligible(x0, attention_mask, None)[:, 1:]
+    if separator_id is not None:
+        keep = keep & (x0[:, :-1] != separator_id)
+    ce = F.cross_entropy(logits[keep].float(), target[keep], reduction="sum")
+    n = int(keep.sum())
+    return Loss(ce / max(n, 1), n, n)
+
+
+def mdlm_loss(model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3) -> Loss:
+    """LLaDA: t ~ U(0, 1) per sample, p = (1 - eps) t + eps, tokens masked i.i.d. with p, loss = CE / p."""
+    config = config or model.config
+    eligible = _eligible(x0, attention_mask, separator_id)
+    if config.prediction == "shift":
+        eligible[:, 0] = False  # nothing predicts position 0
+    t = torch.rand(x0.shape[0], 1, generator=generator, device=x0.device)
+    p = _mask_probability(t, eps).expand_as(x0)
+    masked = eligible & (torch.rand(x0.shape, generator=generator, device=x0.device) < p)
+    xt = torch.where(masked, torch.full_like(x0, config.mask_token_id), x0)
+    logits = model(xt, attention_mask=attention_mask).logits
+    if config.prediction == "shift":
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # column i now holds the prediction of token i
+    ce = F.cross_entropy(logits[masked].float(), x0[masked], reduction="none")
+    n = int(eligible.sum())
+    return Loss((ce / p[masked]).sum() / max(n, 1), n, int(masked.sum()))
+
+
+def block_loss(
+    model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3, complementary=False
+) -> Loss:
+    """Block diffusion on the dual-stream layout: one t per (sample, block), masks i.i.d. inside the block.
+
+    With `complementary`, a second copy masks exactly the other tokens (t' = 1 - t) so every token of a noised
+    block gets a loss term in one of the two; its ELBO weight is 1 / (1 - p). p is then kept in [eps, 1 - eps]."""
+    config = config or model.config
+    b, (batch, length) = config.block_size, x0.shape
+    if length <= b:
+        raise ValueError(f"the block objective needs sequences longer than one block ({b}), got {length}")
+    eligible = _eligible(x0, attention_mask, separator_id)
+    eligible[:, :b] = False  # block 0 is context
+    block_of = torch.arange(length, device=x0.device) // b
+    t = torch.rand(batch, int(block_of[-1]) + 1, generator=generator, device=x0.device)
+    p = _mask_probability(t, eps)
+    if complementary:
+        p = p.clamp(max=1 - eps)
+    p = p[:, block_of]
+    masked = eligible & (torch.rand(x0.shape, generator=generator, device=x0.device) < p)
+    copies = [(masked, p)]
+    if complementary:
+        copies.append((eligible & ~masked, 1 - p))
+    total, n_masked = 0.0, 0
+    for m, prob in copies:
+        xt = torch.where(m, torch.full_like(x0, config.mask_token_id), x0)
+        inputs, layout, target = dual_stream(x0, xt, b, config.prediction)
+        cols = target >= 0
+        logits = model(inputs, layout=layout).logits[:, cols]  # [B, W, V]: column j predicts x0[target[j]]
+        tgt = target[cols]
+        sel = m[:, tgt]
+        ce = F.cross_entropy(logits[sel].float(), x0[:, tgt][sel], reduction="none")
+        total = total + (ce / prob[:, tgt][sel]).sum()
+        n_masked += int(sel.sum())
+    n = int(eligible.sum()) * len(copies)
+    return Loss(total / max(n, 1), n, n_masked)
+
+
+def compute_loss(name: str, model, x0, attention_mask=None, separator_id=None, generator=None, config=None, **options) -> Loss:
+    """Objective `name` on x0 [B, L]. `model` may be a wrapper (a DeepSpeed engine): pass the R2LMConfig then."""
+    fn = {"ar": ar_loss, "mdlm": mdlm_loss, "block": block_loss}[name]
+    return fn(model, x0, attention_mask=attention_mask, separator_id=separator_id, generator=generator, config=config, **options)
