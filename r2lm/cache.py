@@ -24,6 +24,9 @@ class KVCache:
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
+        # Only for Fast-dLLM's approximate dual cache on bidirectional models: columns [length + T, stale_end)
+        # keep keys computed in an earlier forward and stay visible to every query.
+        self.stale_end = 0
 
     @property
     def batch_size(self) -> int:
@@ -44,7 +47,13 @@ class KVCache:
         end = self.length + key.shape[2]
         self.key[layer_idx][:, :, self.length : end] = key
         self.value[layer_idx][:, :, self.length : end] = value
-        return self.key[layer_idx][:, :, :end], self.value[layer_idx][:, :, :end]
+        stop = max(end, self.stale_end)
+        return self.key[layer_idx][:, :, :stop], self.value[layer_idx][:, :, :stop]
+
+    def stale_suffix(self, num_tokens: int) -> torch.Tensor | None:
+        """Validity [B, S] of the stale columns after an input of `num_tokens`, or None when there are none."""
+        start = self.length + num_tokens
+        return self.valid[:, start : self.stale_end] if self.stale_end > start else None
 
     def advance(self, valid: torch.Tensor) -> None:
         """Commit the columns just written: valid [B, T] marks real tokens (False for padding)."""
@@ -52,3 +61,10 @@ class KVCache:
         self.valid[:, self.length : end] = valid
         self.next_position += valid.sum(dim=1)
         self.length = end
+
+    def rewind(self, length: int) -> None:
+        """Forget committed columns from `length` on (approximate caches recompute from a block start)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
+        self.length = length
+        self.next_position = self.valid[:, :length].sum(dim=1)

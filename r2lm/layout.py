@@ -86,8 +86,10 @@ class Layout:
 
     # ---------------------------------------------------------------- derived
 
-    def attention_mask(self, kind: str, cached: torch.Tensor | None = None) -> torch.Tensor:
-        """Boolean mask [B or 1, 1, T, C + T] (True = attend); `cached` [B, C] marks real cached columns."""
+    def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
+        """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend); `cached` [B, C] marks real cached columns.
+
+        `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
         qp, kp = self.positions[:, :, None], self.positions[:, None, :]
         qc, kc = self.chunks[None, :, None], self.chunks[None, None, :]
         qn, kn = self.noisy[None, :, None], self.noisy[None, None, :]
@@ -106,6 +108,9 @@ class Layout:
         if cached is not None and cached.shape[1]:
             past = cached[:, None, :].expand(-1, self.length, -1)
             allowed = torch.cat([past, allowed.expand(past.shape[0], -1, -1)], dim=2)
+        if stale is not None:
+            after = stale[:, None, :].expand(-1, self.length, -1)
+            allowed = torch.cat([allowed.expand(after.shape[0], -1, -1), after], dim=2)
         return allowed[:, None]
 
     @cached_property

@@ -56,7 +56,13 @@ class R2LMModel(nn.Module):
         cos, sin = self.rotary_emb(h, layout.positions)
         # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
         plain = cache is None and layout.is_plain
-        mask = None if plain else layout.attention_mask(self.config.attention, cache.valid[:, : cache.length] if cache else None)
+        if plain:
+            mask = None
+        elif cache is None:
+            mask = layout.attention_mask(self.config.attention)
+        else:
+            cached, stale = cache.valid[:, : cache.length], cache.stale_suffix(layout.length)
+            mask = layout.attention_mask(self.config.attention, cached, stale)
         is_causal = plain and self.config.attention == "causal"
         windows = layout.windows if self.config.sidecar_layers else None
         for layer in self.layers:
@@ -162,6 +168,12 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         """Logits of one window [B, T] read against the cache, sidecar on. The committed cache is unchanged."""
         layout = Layout.span(_ones_if_none(attention_mask, window_ids), start=cache.next_position, noisy=True)
         return self(window_ids, layout=layout, cache=cache).logits
+
+    def diffusion_generate(self, input_ids, attention_mask=None, **options):
+        """`r2lm.generate(self, ...)`: cached parallel decoding; returns a GenerateOutput."""
+        from r2lm.generation import generate
+
+        return generate(self, input_ids, attention_mask, **options)
 
     # ------------------------------------------------------------------ training helpers
 

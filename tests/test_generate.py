@@ -1,0 +1,208 @@
+"""The generator: cache exactness (invariant 2), AR equivalence (3), batch invariance (4), rules and errors."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TextStreamer
+
+from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
+from convert.from_hf import convert_from_hf
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.generation import decoding
+from r2lm.generation.sampling import select
+
+R2LM = dict(sidecar_layers=[1, 3])
+BLOCK_CAUSAL = dict(attention="block_causal", sidecar_layers=[2])
+
+
+def peaky(seed=0, **overrides):
+    """A tiny model whose output distributions are sharp enough for several tokens to pass a threshold per step."""
+    model = tiny_r2lm(seed=seed, open_gates=True, **overrides)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    return model
+
+
+def left_padded(batch=3, length=9, pads=(0, 3, 6), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK_ID - 1, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(pads[:batch]):
+        mask[row, :n] = 0
+        ids[row, :n] = 0
+    return ids, mask
+
+
+RULES = [dict(threshold=0.6), dict(factor=1.0), dict(tokens_per_step=3), dict(threshold=0.5, confidence="margin"),
+         dict(threshold=0.5, confidence="entropy")]
+
+
+@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, dict(prediction="inplace", sidecar_layers=[0])], ids=["r2lm", "block_causal", "inplace"])
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+def test_cached_equals_recompute(kind, rule):
+    model = peaky(**kind)
+    ids, mask = left_padded()
+    cached = generate(model, ids, mask, max_new_tokens=21, block_size=8, **rule)
+    recomputed = generate(model, ids, mask, max_new_tokens=21, block_size=8, use_cache=False, **rule)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    assert cached.steps == recomputed.steps
+    assert cached.steps < 21  # several tokens per step: the parallel path is exercised
+
+
+@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL], ids=["r2lm", "block_causal"])
+def test_rows_of_a_padded_batch_equal_rows_alone(kind):
+    model = peaky(**kind)
+    ids, mask = left_padded()
+    batch = generate(model, ids, mask, max_new_tokens=20, block_size=8, threshold=0.6)
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        alone = generate(model, ids[row : row + 1, -n:], max_new_tokens=20, block_size=8, threshold=0.6)
+        assert torch.equal(alone.sequences[0, -20:], batch.sequences[row, -20:]), row
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_block_size_one_is_transformers_greedy(arch, tmp_path):
+    """Invariant 3: gates at 0, shift, block size 1, greedy == the backbone's own generate(), with padding and EOS."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8) if not hf.config.tie_word_embeddings else hf.model.embed_tokens.weight.mul_(3)
+    hf.save_pretrained(tmp_path / "hf")
+    r2lm = R2LMForDiffusionLM.from_pretrained(
+        convert_from_hf(tmp_path / "hf", tmp_path / "r2lm", sidecar_layers=[1], mask_token_id=MASK_ID,
+                        sidecar_headdim=16, sidecar_d_state=8)
+    ).eval()
+    ids, mask = left_padded()
+    greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ours = generate(r2lm, ids, mask, max_new_tokens=24, block_size=1, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(ours.sequences, greedy)
+    assert ours.nfe == 1 + 24  # the prompt prefill, then one fused forward (read + commit) per token
+    eos = int(greedy[0, ids.shape[1] + 5])  # a token the first row emits: an EOS that must stop rows identically
+    greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    ours = generate(r2lm, ids, mask, max_new_tokens=24, block_size=1, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ours.sequences, greedy)
+
+
+def test_threshold_takes_at_least_one_token_per_row():
+    conf = torch.rand(64, 16) * 0.5
+    masked = torch.rand(64, 16) < 0.5
+    masked[0] = False
+    take = select(conf, masked, threshold=0.9)
+    assert torch.equal(take.sum(1) >= 1, masked.any(1))
+    assert not (take & ~masked).any()
+    top = conf.masked_fill(~masked, -1).argmax(1)
+    assert take[torch.arange(64), top][masked.any(1)].all()
+
+
+def test_nfe_is_bounded_by_new_tokens_plus_commits():
+    model = peaky(**R2LM)
+    ids, mask = left_padded()
+    out = generate(model, ids, mask, max_new_tokens=21, block_size=8, threshold=1.0)
+    commits = 1 + 3  # prompt prefill and one per block (the last block's commit is skipped at the end)
+    assert out.steps == 21 and out.nfe <= 21 + commits  # threshold 1.0: exactly one token per step
+    out = generate(model, ids, mask, max_new_tokens=21, block_size=8, threshold=0.6)
+    assert out.steps < 21 and out.nfe <= 21 + commits and out.tokens_per_step > 1
+
+
+def test_cache_is_allocated_once_and_never_moves(monkeypatch):
+    caches = []
+
+    class Recorded(decoding.KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.pointers = [t.data_ptr() for t in self.key + self.value]
+            caches.append(self)
+
+    monkeypatch.setattr(decoding, "KVCache", Recorded)
+    model = peaky(**R2LM)
+    ids, mask = left_padded()
+    generate(model, ids, mask, max_new_tokens=21, block_size=8)
+    assert len(caches) == 1
+    cache = caches[0]
+    assert [t.data_ptr() for t in cache.key + cache.value] == cache.pointers
+    assert cache.length == ids.shape[1] - 1 + 16  # prompt (but its last token) + two committed blocks
+
+
+def test_eos_stops_a_row_and_pads_after_it():
+    model = peaky(**R2LM)
+    ids, mask = left_padded()
+    free = generate(model, ids, mask, max_new_tokens=16, block_size=8, threshold=0.6, eos_token_id=[])
+    new = free.sequences[:, ids.shape[1] :]
+    eos = int(new[1, 3])
+    out = generate(model, ids, mask, max_new_tokens=16, block_size=8, threshold=0.6, eos_token_id=eos, pad_token_id=MASK_ID - 1)
+    got = out.sequences[:, ids.shape[1] :]
+    for row in range(3):
+        hits = (new[row] == eos).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else 16
+        assert torch.equal(got[row, :stop], new[row, :stop])
+        assert (got[row, stop:] == MASK_ID - 1).all()
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy():
+    model = peaky(**R2LM)
+    ids, mask = left_padded()
+    runs = [generate(model, ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9,
+                     generator=torch.Generator().manual_seed(7)).sequences for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    greedy = generate(model, ids, mask, max_new_tokens=12).sequences
+    sampled_top1 = generate(model, ids, mask, max_new_tokens=12, temperature=1.3, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sampled_top1.sequences, greedy)
+
+
+def test_streamer_and_stop_strings(capsys):
+    tok = tiny_tokenizer()
+    model = peaky(vocab_size=len(tok) + 1, mask_token_id=len(tok), **R2LM)
+    prompt = tok("the quick brown", return_tensors="pt").input_ids
+    free = generate(model, prompt, max_new_tokens=16, block_size=4, eos_token_id=[])
+    text = tok.decode(free.sequences[0, prompt.shape[1] :])
+    stop = text[3:6]
+    out = generate(model, prompt, max_new_tokens=16, block_size=4, eos_token_id=[], tokenizer=tok, stop_strings=[stop],
+                   streamer=TextStreamer(tok, skip_prompt=True))
+    got = tok.decode(out.sequences[0, prompt.shape[1] :][: out.new_tokens])
+    assert stop in got and got.endswith(stop[-1]) and len(got) < len(text)
+    assert capsys.readouterr().out.strip() == got.strip()
+
+
+@pytest.mark.parametrize("cache", [None, "prefix", "dual"])
+@pytest.mark.parametrize("prediction", ["inplace", "shift"])
+def test_bidirectional_baselines(cache, prediction):
+    model = peaky(attention="bidirectional", prediction=prediction, sidecar_layers=[])
+    ids, mask = left_padded()
+    out = generate(model, ids, mask, max_new_tokens=20, block_size=8, tokens_per_step=2, approximate_cache=cache)
+    assert out.sequences.shape == (3, ids.shape[1] + 20) and not (out.sequences == MASK_ID).any()
+    assert out.nfe == out.steps == 4 + 4 + 2  # two tokens per step per row: blocks of 8, 8 and 4 tokens
+    if cache == "prefix":  # one-block canvas: the prefix cache starts from the same full forward as no cache
+        exact = generate(model, ids, mask, max_new_tokens=8, block_size=8, tokens_per_step=8)
+        approx = generate(model, ids, mask, max_new_tokens=8, block_size=8, tokens_per_step=8, approximate_cache=cache)
+        assert torch.equal(exact.sequences, approx.sequences)
+
+
+def test_model_method_is_the_same_generator():
+    model = peaky(**R2LM)
+    ids, mask = left_padded()
+    assert torch.equal(model.diffusion_generate(ids, mask, max_new_tokens=9).sequences,
+                       generate(model, ids, mask, max_new_tokens=9).sequences)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
+        (dict(input_ids=torch.tensor([[5, MASK_ID, 6]])), f"row 0 contains the mask token id {MASK_ID}"),
+        (dict(max_new_tokens=510), r"prompt \(3 tokens\) \+ max_new_tokens \(510\) exceeds the model's maximum length 512"),
+        (dict(attention_mask=torch.tensor([[0, 0, 0]])), "row 0 of the batch is all padding"),
+        (dict(attention_mask=torch.tensor([[1, 1, 0]])), "must be left-padded"),
+        (dict(block_size=0), "block_size must be positive"),
+        (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
+        (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
+        (dict(max_new_tokens=0), "max_new_tokens must be positive"),
+        (dict(stop_strings=["x"]), "stop_strings need the tokenizer"),
+        (dict(approximate_cache="dual"), "approximate_cache is for bidirectional models"),
+        (dict(factor=1.0, tokens_per_step=2), "at most one of factor and tokens_per_step"),
+        (dict(confidence="vibes"), "unknown confidence"),
+    ],
+)
+def test_bad_input(args, message):
+    model = tiny_r2lm(**R2LM)
+    args = {"input_ids": torch.tensor([[5, 6, 7]]), **args}
+    with pytest.raises(ValueError, match=message):
+        generate(model, **args)
