@@ -39,7 +39,7 @@ def main() -> None:
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,
-        max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen3ForCausalLM(config)

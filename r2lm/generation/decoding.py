@@ -38,7 +38,8 @@ class GenerateOutput:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
+        """Tokens a row accepts per denoising step, averaged over rows."""
+        return self.new_tokens / max(self.steps * self.sequences.shape[0], 1)
 
 
 @torch.no_grad()

@@ -1,0 +1,151 @@
+"""Decoding throughput: AR vs bidirectional dLLM (no cache, approximate dual cache) vs R2LM (exact cache).
+
+    python eval/throughput.py --model runs/quickstart/tiny_cpu/final [--bidirectional-model PATH] [--out DIR]
+
+One run, the same prompts (real held-out text) for every variant, at every batch size x prompt length:
+
+    ar        block size 1 with the KV cache: one forward per token (sidecars closed, i.e. the backbone)
+    bidir     bidirectional attention, no cache: the whole canvas every step (LLaDA)
+    bidir+dc  bidirectional, Fast-dLLM's approximate dual cache
+    r2lm      the R2LM checkpoint, exact KV cache, threshold decoding
+
+Without --bidirectional-model the bidirectional variants reuse the R2LM backbone weights with attention switched
+to bidirectional: their speed per step is right, their tokens per step are not those of a trained bidirectional
+dLLM. Parallel decoding only means something on a trained model; give trained checkpoints.
+
+Prints a table, writes results.json and throughput.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from r2lm import R2LMForDiffusionLM, generate
+
+logger = logging.getLogger("eval.throughput")
+VARIANTS = ("ar", "bidir", "bidir+dc", "r2lm")
+
+
+def load_variants(model_dir: str, bidirectional_dir: str | None) -> dict:
+    r2lm = R2LMForDiffusionLM.from_pretrained(model_dir).eval()
+    ar = copy.deepcopy(r2lm)
+    for layer in ar.model.layers:  # the backbone alone: AR decoding is exact only without active sidecars
+        layer.sidecar = None
+    ar.config.sidecar_layers = []
+    if bidirectional_dir:
+        bidir = R2LMForDiffusionLM.from_pretrained(bidirectional_dir).eval()
+    else:
+        bidir = copy.deepcopy(ar)
+        bidir.config.attention = "bidirectional"
+    return {"ar": ar, "bidir": bidir, "bidir+dc": bidir, "r2lm": r2lm}
+
+
+def variant_options(name: str, args) -> dict:
+    if name == "ar":
+        return dict(block_size=1)
+    options = dict(block_size=args.block_size, threshold=args.threshold)
+    if name == "bidir+dc":
+        options["approximate_cache"] = "dual"
+    return options
+
+
+def make_prompts(tokenizer, text_file: Path, batch: int, length: int) -> torch.Tensor:
+    """`batch` prompts of exactly `length` tokens, cut from consecutive stretches of real text."""
+    ids = tokenizer(text_file.read_text(), return_tensors="pt").input_ids[0]
+    need = batch * length
+    if ids.numel() < need:
+        ids = ids.repeat(need // ids.numel() + 1)
+    return ids[:need].view(batch, length)
+
+
+def run_one(model, prompts, new_tokens: int, options: dict, repeats: int) -> dict:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = generate(model, prompts, max_new_tokens=new_tokens, eos_token_id=[], **options)
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    return {"seconds": seconds, "tokens_per_s": out.new_tokens / seconds, "nfe": out.nfe,
+            "tokens_per_step": out.tokens_per_step, "new_tokens": out.new_tokens}
+
+
+def plot(results: list[dict], path: Path, batches, lengths) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for name in VARIANTS:
+            ys = [next((r["tokens_per_s"] for r in results if r["variant"] == name and r["batch"] == batch
+                        and r["prompt"] == length), float("nan")) for length in lengths]
+            ax.plot(lengths, ys, marker="o", label=name)
+        ax.set(title=f"batch {batch}", xlabel="prompt tokens", ylabel="generated tokens / s", xscale="log", yscale="log")
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="trained R2LM checkpoint (model + tokenizer)")
+    parser.add_argument("--bidirectional-model", help="trained bidirectional checkpoint of the same backbone")
+    parser.add_argument("--text", type=Path, default=Path("runs/quickstart/corpus/heldout.txt"), help="prompt text")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median), after one warmup")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", type=Path, default=Path("runs/throughput"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    models = load_variants(args.model, args.bidirectional_model)
+    warm = make_prompts(tokenizer, args.text, 1, 16)
+    for name in args.variants:  # first-call costs (allocator, kernels) out of the measurements
+        generate(models[name], warm, max_new_tokens=8, eos_token_id=[], **variant_options(name, args))
+
+    cells = [(b, p, v) for b in args.batch_sizes for p in args.prompt_lengths for v in args.variants]
+    results = []
+    for batch, length, name in tqdm(cells, desc="throughput"):
+        prompts = make_prompts(tokenizer, args.text, batch, length)
+        row = run_one(models[name], prompts, args.new_tokens, variant_options(name, args), args.repeats)
+        results.append({"variant": name, "batch": batch, "prompt": length, **row})
+        logger.info("%s batch %d prompt %d: %.1f tokens/s", name, batch, length, row["tokens_per_s"])
+
+    def speed(name, batch, length):
+        return next(r["tokens_per_s"] for r in results if (r["variant"], r["batch"], r["prompt"]) == (name, batch, length))
+
+    print(f"\n{'batch':>5} {'prompt':>6} {'variant':>9} {'tok/s':>9} {'nfe':>6} {'tok/step':>8} {'x bidir':>8} {'x ar':>6}")
+    for r in results:
+        vs = {other: r["tokens_per_s"] / speed(other, r["batch"], r["prompt"]) if other in args.variants else float("nan")
+              for other in ("bidir", "ar")}
+        r["speedup_vs_bidir"], r["speedup_vs_ar"] = vs["bidir"], vs["ar"]
+        print(f"{r['batch']:>5} {r['prompt']:>6} {r['variant']:>9} {r['tokens_per_s']:>9.1f} {r['nfe']:>6} "
+              f"{r['tokens_per_step']:>8.2f} {vs['bidir']:>8.2f} {vs['ar']:>6.2f}")
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta["bidirectional_weights"] = "trained" if args.bidirectional_model else "R2LM backbone, attention switched"
+    (args.out / "results.json").write_text(json.dumps({"settings": meta, "results": results}, indent=2))
+    plot(results, args.out / "throughput.png", args.batch_sizes, args.prompt_lengths)
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+# Sourced by the other scripts: one Python environment with r2lm and what it needs, created on first use.
+# Uses the active virtualenv if there is one, else ./.venv. torch is installed first and pinned to the CPU
+# build on local disk (an unpinned torch would download a multi-GB CUDA build); an installed torch is kept.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, pytest" 2>/dev/null; then
+  DS_BUILD_OPS=0 pip install -q -e ".[train,eval,dev]"
+fi
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"   # no GPU here: say so, instead of letting DeepSpeed guess
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_SILENT=true
