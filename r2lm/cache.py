@@ -1,4 +1,5 @@
-"""KVCache: preallocated keys and values of clean (committed) tokens, one buffer per softmax layer.
+"""KVCache: preallocated keys and values of clean (committed) tokens, one buffer per softmax layer, and the
+fp32 linear-attention state (S, Z) of each block-hybrid layer, whose size does not depend on the context.
 
 Rows advance in lockstep (one column per token slot); left padding is masked by `valid` rather than by per-row
 offsets, and `next_position` holds each row's next RoPE position (its count of real tokens so far).
@@ -14,13 +15,25 @@ from __future__ import annotations
 import torch
 
 
+def cache_signature(config) -> tuple:
+    """What a cache's contents depend on: a cache only serves models with the same signature."""
+    return (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, tuple(config.hybrid_layers),
+            config.hybrid_feature_dim)
+
+
 class KVCache:
     def __init__(self, config, batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device | str):
         if batch_size <= 0 or max_length <= 0:
             raise ValueError(f"KVCache needs a positive batch size and length, got {batch_size} and {max_length}")
+        self.signature = cache_signature(config)
         shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
-        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        softmax = [i not in config.hybrid_layers for i in range(config.num_hidden_layers)]
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) if s else None for s in softmax]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) if s else None for s in softmax]
+        features = 2 * config.hybrid_feature_dim
+        state = (batch_size, config.num_attention_heads, features, config.head_dim)
+        self.S = [None if s else torch.zeros(state, dtype=torch.float32, device=device) for s in softmax]
+        self.Z = [None if s else torch.zeros(state[:-1], dtype=torch.float32, device=device) for s in softmax]
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
@@ -49,6 +62,19 @@ class KVCache:
         self.value[layer_idx][:, :, self.length : end] = value
         stop = max(end, self.stale_end)
         return self.key[layer_idx][:, :, :stop], self.value[layer_idx][:, :, :stop]
+
+    def state(self, layer_idx: int):
+        """(S, Z) of a block-hybrid layer: the linear-attention sums over every committed token."""
+        return self.S[layer_idx], self.Z[layer_idx]
+
+    def fold(self, layer_idx: int, dS: torch.Tensor, dZ: torch.Tensor) -> None:
+        """Add a committed chunk's keys to a block-hybrid layer's state (after the chunk has read it)."""
+        self.S[layer_idx] += dS
+        self.Z[layer_idx] += dZ
+
+    def layer_bytes(self, layer_idx: int) -> int:
+        tensors = (self.key[layer_idx], self.value[layer_idx], self.S[layer_idx], self.Z[layer_idx])
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def stale_suffix(self, num_tokens: int) -> torch.Tensor | None:
         """Validity [B, S] of the stale columns after an input of `num_tokens`, or None when there are none."""

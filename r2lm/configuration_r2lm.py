@@ -125,6 +125,8 @@ class R2LMConfig(PreTrainedConfig):
                     f"sidecar heads ({d_inner // self.sidecar_headdim}) are not divisible by sidecar_ngroups "
                     f"({self.sidecar_ngroups})"
                 )
+        if self.hybrid_layers and self.attention == "bidirectional":
+            raise ValueError("hybrid_layers need a causal or block_causal model: a bidirectional one commits no blocks")
         if self.hybrid_layers and self.hybrid_feature_dim > self.head_dim:
             raise ValueError(f"hybrid_feature_dim {self.hybrid_feature_dim} is above head_dim {self.head_dim}")
         rope_type = (self.rope_parameters or {}).get("rope_type", "default")

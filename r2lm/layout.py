@@ -86,25 +86,35 @@ class Layout:
 
     # ---------------------------------------------------------------- derived
 
-    def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
-        """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend); `cached` [B, C] marks real cached columns.
+    def mask_parts(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(own, earlier), bool [B or 1, T, T] over this layout's columns (True = query row may see key column).
 
-        `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
+        own: the key is in the query's own chunk and stream (causally for `causal`); earlier: the key is clean
+        and in an earlier chunk. Softmax layers attend over their union; block-hybrid layers attend to `own` with
+        softmax and to `earlier` linearly. Padding keys are in neither; a padding query sees only itself."""
         qp, kp = self.positions[:, :, None], self.positions[:, None, :]
         qc, kc = self.chunks[None, :, None], self.chunks[None, None, :]
         qn, kn = self.noisy[None, :, None], self.noisy[None, None, :]
         if kind == "bidirectional":
-            allowed = torch.ones_like(qp == kp)
+            own, earlier = torch.ones_like(qp == kp), torch.zeros_like(qc == kc)
         else:
             own = (qc == kc) & (qn == kn)
             if kind == "causal":
                 own = own & (kp <= qp)
-            allowed = own | (~kn & (kc < qc))
+            earlier = ~kn & (kc < qc)
         if self.valid is not None:
-            allowed = allowed & self.valid[:, None, :]
-            # padding queries attend to themselves only, so their (unused) rows stay finite
-            diagonal = torch.eye(self.length, dtype=torch.bool, device=allowed.device)
-            allowed = allowed | (diagonal & ~self.valid[:, :, None])
+            own, earlier = own & self.valid[:, None, :], earlier & self.valid[:, None, :]
+            diagonal = torch.eye(self.length, dtype=torch.bool, device=own.device)
+            own = own | (diagonal & ~self.valid[:, :, None])
+        return own, earlier
+
+    def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
+        """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend) for softmax attention.
+
+        `cached` [B, C] marks real columns already in a KV cache (clean, earlier chunks: visible to every query);
+        `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
+        own, earlier = self.mask_parts(kind)
+        allowed = own | earlier
         if cached is not None and cached.shape[1]:
             past = cached[:, None, :].expand(-1, self.length, -1)
             allowed = torch.cat([past, allowed.expand(past.shape[0], -1, -1)], dim=2)

@@ -19,10 +19,24 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
 
-from r2lm.cache import KVCache
+from dataclasses import dataclass
+
+from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
-from r2lm.layers import MLP, Attention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
+from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
 from r2lm.layout import Layout
+
+
+@dataclass
+class AttentionPlan:
+    """How the layers of one forward attend, derived once from the layout."""
+
+    mask: torch.Tensor | None  # softmax layers: [B or 1, 1, T, keys] or None with is_causal / no mask
+    is_causal: bool
+    own: torch.Tensor | None = None  # block-hybrid layers: softmax part [B or 1, 1, T, T]
+    earlier: torch.Tensor | None = None  # block-hybrid layers: linear part [B or 1, 1, T, T]
+    valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
+    commit: bool = False  # the input is appended to the cache
 
 
 class R2LMDecoderLayer(GradientCheckpointingLayer):
@@ -34,8 +48,8 @@ class R2LMDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.sidecar = ReverseSidecar(config) if layer_idx in config.sidecar_layers else None
 
-    def forward(self, h, cos, sin, mask, cache=None, windows=None, is_causal=False):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, is_causal)
+    def forward(self, h, cos, sin, plan, cache=None, windows=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, plan, cache)
         h = h + self.mlp(self.post_attention_layernorm(h))
         if self.sidecar is not None and windows is not None:
             h = self.sidecar(h, windows)
@@ -51,23 +65,32 @@ class R2LMModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None, commit: bool = False):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h, layout.positions)
-        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
-        plain = cache is None and layout.is_plain
-        if plain:
-            mask = None
-        elif cache is None:
-            mask = layout.attention_mask(self.config.attention)
-        else:
-            cached, stale = cache.valid[:, : cache.length], cache.stale_suffix(layout.length)
-            mask = layout.attention_mask(self.config.attention, cached, stale)
-        is_causal = plain and self.config.attention == "causal"
+        plan = self.plan(layout, cache, commit)
         windows = layout.windows if self.config.sidecar_layers else None
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache, windows, is_causal)
+            h = layer(h, cos, sin, plan, cache, windows)
         return self.norm(h)
+
+    def plan(self, layout: Layout, cache: KVCache | None, commit: bool) -> AttentionPlan:
+        kind = self.config.attention
+        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
+        plain = cache is None and layout.is_plain
+        if len(self.config.hybrid_layers) == self.config.num_hidden_layers:
+            mask = None
+        elif plain:
+            mask = None
+        elif cache is None:
+            mask = layout.attention_mask(kind)
+        else:
+            mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
+        plan = AttentionPlan(mask, plain and kind == "causal", valid=layout.valid, commit=commit)
+        if self.config.hybrid_layers:
+            own, earlier = layout.mask_parts(kind)
+            plan.own, plan.earlier = own[:, None], earlier[:, None]
+        return plan
 
 
 class R2LMPreTrainedModel(PreTrainedModel):
@@ -86,6 +109,8 @@ class R2LMPreTrainedModel(PreTrainedModel):
             init.zeros_(module.conv1d.bias)
         elif isinstance(module, ReverseSidecar):
             init.zeros_(module.gate)
+        elif isinstance(module, BlockHybridAttention):
+            module.reset_parameters()
 
 
 class R2LMForDiffusionLM(R2LMPreTrainedModel):
@@ -132,7 +157,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
             self._check_cache(cache, input_ids)
         if update_cache and (cache is None or bool(layout.noisy.any())):
             raise ValueError("update_cache needs a cache and a layout of clean tokens only (windows are never cached)")
-        h = self.model(input_ids, layout, cache)
+        h = self.model(input_ids, layout, cache, commit=update_cache)
         if update_cache:
             cache.advance(layout.valid_mask(input_ids.shape[0]))
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
@@ -141,7 +166,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
     def _check_cache(self, cache: KVCache, input_ids: torch.Tensor) -> None:
         if cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"cache batch size {cache.batch_size} != input batch size {input_ids.shape[0]}")
-        if len(cache.key) != self.config.num_hidden_layers or cache.key[0].shape[1] != self.config.num_key_value_heads:
+        if cache.signature != cache_signature(self.config):
             raise ValueError("cache was built for a different model configuration")
         cache.check_room(input_ids.shape[1])
 

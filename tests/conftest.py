@@ -20,7 +20,8 @@ def tiny_r2lm_config(**overrides) -> R2LMConfig:
 
 
 def tiny_r2lm(seed=0, open_gates=False, dtype=torch.float32, **overrides) -> R2LMForDiffusionLM:
-    """A tiny random R2LM in eval mode; `open_gates` sets every sidecar gate non-zero so the sidecar matters."""
+    """A tiny random R2LM in eval mode; `open_gates` sets every sidecar gate non-zero so the sidecar matters, and
+    moves hybrid layers' gates off their initial value."""
     torch.manual_seed(seed)
     model = R2LMForDiffusionLM(tiny_r2lm_config(**overrides)).to(dtype).eval()
     if open_gates:
@@ -28,6 +29,8 @@ def tiny_r2lm(seed=0, open_gates=False, dtype=torch.float32, **overrides) -> R2L
             for i, layer in enumerate(model.model.layers):
                 if layer.sidecar is not None:
                     layer.sidecar.gate.fill_(0.5 + 0.1 * i)
+                if layer.self_attn.linear_attention is not None:
+                    layer.self_attn.linear_attention.alpha.normal_()
     return model
 
 

@@ -10,6 +10,8 @@ MODELS = {
     "r2lm": dict(attention="causal", sidecar_layers=[1, 3]),
     "block_causal": dict(attention="block_causal"),
     "block_causal+sidecar": dict(attention="block_causal", sidecar_layers=[0]),
+    "r2lm+hybrid": dict(attention="causal", sidecar_layers=[1], hybrid_layers=[0, 2], hybrid_feature_dim=8),
+    "block_causal+hybrid": dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8),
 }
 
 

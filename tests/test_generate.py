@@ -36,7 +36,12 @@ RULES = [dict(threshold=0.6), dict(factor=1.0), dict(tokens_per_step=3), dict(th
          dict(threshold=0.5, confidence="entropy")]
 
 
-@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, dict(prediction="inplace", sidecar_layers=[0])], ids=["r2lm", "block_causal", "inplace"])
+HYBRID = dict(sidecar_layers=[1], hybrid_layers=[0, 2], hybrid_feature_dim=8)
+
+
+@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, dict(prediction="inplace", sidecar_layers=[0]), HYBRID,
+                                  dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8)],
+                         ids=["r2lm", "block_causal", "inplace", "r2lm+hybrid", "block_causal+hybrid"])
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
 def test_cached_equals_recompute(kind, rule):
     model = peaky(**kind)
@@ -48,7 +53,7 @@ def test_cached_equals_recompute(kind, rule):
     assert cached.steps < 21  # several tokens per step: the parallel path is exercised
 
 
-@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL], ids=["r2lm", "block_causal"])
+@pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, HYBRID], ids=["r2lm", "block_causal", "r2lm+hybrid"])
 def test_rows_of_a_padded_batch_equal_rows_alone(kind):
     model = peaky(**kind)
     ids, mask = left_padded()

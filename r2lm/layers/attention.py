@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from r2lm.layers.hybrid import BlockHybridAttention
 from r2lm.layers.norm import RMSNorm
 from r2lm.layers.rotary import apply_rotary
 from r2lm.ops import attention
@@ -9,8 +10,10 @@ from r2lm.ops import attention
 class Attention(nn.Module):
     """GQA softmax attention with RoPE; optional q/k RMSNorm over head_dim (Qwen3) and q/k/v bias (Qwen2).
 
-    The mask comes from the layout (see r2lm.layout); with a cache, keys and values of this forward are
-    written into the cache's scratch columns and attention runs over everything cached so far plus them."""
+    The masks come from the layout (see r2lm.layout). A softmax layer with a cache writes this forward's keys and
+    values into the cache's scratch columns and attends over everything cached so far plus them. A block-hybrid
+    layer (`hybrid_layers`) keeps no keys: it reads earlier chunks through its linear state (S, Z) and folds a
+    commit's keys into it."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -29,6 +32,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.linear_attention = BlockHybridAttention(config) if layer_idx in config.hybrid_layers else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys, values [B, heads, T, head_dim] with RoPE applied."""
@@ -41,9 +45,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x, cos, sin, mask, cache=None, is_causal=False):
+    def forward(self, x, cos, sin, plan, cache=None):
         q, k, v = self.project(x, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, mask, self.scaling, is_causal=is_causal)
+        if self.linear_attention is not None:
+            state = cache.state(self.layer_idx) if cache is not None else None
+            out, delta = self.linear_attention(
+                q, k, v, plan.own, plan.earlier, self.scaling, plan.valid, state, fold=cache is not None and plan.commit
+            )
+            if delta is not None:
+                cache.fold(self.layer_idx, *delta)
+        else:
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v)
+            out = attention(q, k, v, plan.mask, self.scaling, is_causal=plan.is_causal)
         return self.o_proj(out.transpose(1, 2).flatten(2))

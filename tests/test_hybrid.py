@@ -1,0 +1,74 @@
+"""Block-hybrid attention: exact in-chunk softmax with an empty state, parallel == recurrent, flat memory."""
+
+import torch
+
+from conftest import MASK_ID, tiny_r2lm
+from r2lm import Layout
+from r2lm.ops import attention
+
+HYBRID = dict(sidecar_layers=[1], hybrid_layers=[0, 2], hybrid_feature_dim=8)
+
+
+def _layer(**overrides):
+    return tiny_r2lm(open_gates=True, **dict(HYBRID, **overrides)).model.layers[0].self_attn
+
+
+def test_empty_state_is_in_chunk_softmax():
+    attn = _layer()
+    q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    own = torch.tril(torch.ones(7, 7, dtype=torch.bool))[None, None]
+    no_earlier = torch.zeros_like(own)
+    out, _ = attn.linear_attention(q, k, v, own, no_earlier, attn.scaling)
+    torch.testing.assert_close(out, attention(q, k, v, own, attn.scaling), atol=1e-6, rtol=1e-5)
+
+
+def test_linear_part_is_used():
+    """With earlier keys, the output moves away from pure in-chunk softmax (the linear branch is live)."""
+    attn = _layer()
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    chunks = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    own = (chunks[:, None] == chunks[None, :])[None, None]
+    earlier = (chunks[None, :] < chunks[:, None])[None, None]
+    hybrid, _ = attn.linear_attention(q, k, v, own, earlier, attn.scaling)
+    softmax_only = attention(q, k, v, own, attn.scaling)
+    torch.testing.assert_close(hybrid[:, :, :4], softmax_only[:, :, :4], atol=1e-6, rtol=1e-5)
+    assert (hybrid[:, :, 4:] - softmax_only[:, :, 4:]).abs().max() > 1e-3
+
+
+def test_state_memory_does_not_grow_with_context():
+    model = tiny_r2lm(max_position_embeddings=4096, **HYBRID)
+    short, long = model.new_cache(2, 256), model.new_cache(2, 4096)
+    for layer in HYBRID["hybrid_layers"]:
+        assert short.layer_bytes(layer) == long.layer_bytes(layer) > 0
+        assert short.key[layer] is None
+    assert long.layer_bytes(1) == 16 * short.layer_bytes(1)  # softmax layers grow with the context
+
+
+def test_commit_folds_state_and_denoise_does_not():
+    model = tiny_r2lm(open_gates=True, **HYBRID)
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        model.prefill(torch.randint(0, MASK_ID, (1, 6)), cache)
+        S = cache.S[0].clone()
+        assert S.abs().sum() > 0
+        model.denoise(torch.full((1, 4), MASK_ID), cache)
+        assert torch.equal(cache.S[0], S)
+        model.commit(torch.randint(0, MASK_ID, (1, 4)), cache)
+        assert not torch.equal(cache.S[0], S)
+
+
+def test_padded_keys_contribute_nothing():
+    model = tiny_r2lm(open_gates=True, **HYBRID)
+    ids = torch.randint(0, MASK_ID, (1, 6))
+    padded = torch.cat([torch.randint(0, MASK_ID, (1, 3)), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    a, b = model.new_cache(1, 32), model.new_cache(1, 32)
+    window = torch.full((1, 4), MASK_ID)
+    with torch.no_grad():
+        model.prefill(ids, a)
+        model.prefill(padded, b, attention_mask=mask)
+        torch.testing.assert_close(a.S[0], b.S[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(model.denoise(window, a), model.denoise(window, b), atol=1e-5, rtol=1e-5)
+        layout = Layout.span(mask)
+        full = model(padded, layout=layout).logits[:, 3:]
+        torch.testing.assert_close(full, model(ids).logits, atol=1e-5, rtol=1e-5)
