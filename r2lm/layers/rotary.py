@@ -24,7 +24,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def compute_default_rope_parameters(config, **kwargs):
-        dim = config.head_dim
+        dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
         base = config.rope_parameters["rope_theta"]
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
@@ -42,6 +42,10 @@ def rotate_half(x):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, d]; cos/sin [B, T, d]."""
+    """x [B, H, T, d]; cos/sin [B, T, r] with r <= d: partial rotary (LLaDA 2) rotates the first r dims only."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        head, tail = x[..., :rot], x[..., rot:]
+        return torch.cat([head * cos + rotate_half(head) * sin, tail], dim=-1)
     return x * cos + rotate_half(x) * sin
