@@ -58,12 +58,13 @@ def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
     )
 
 
-def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor]) -> None:
-    """Copy a transformers state dict into `model` by name; everything but the sidecars must be present."""
+def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor], fresh=lambda name: ".sidecar." in name) -> None:
+    """Copy a state dict into `model` by name. Every tensor but the `fresh` ones (new layers, which keep their
+    initialisation) must be present with the right shape, and nothing else may be."""
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k: v for k, v in model.state_dict().items() if ".sidecar." not in k}
+    expected = {k: v for k, v in model.state_dict().items() if not fresh(k)}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     unexpected = sorted(set(state) - set(expected))

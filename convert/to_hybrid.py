@@ -1,0 +1,62 @@
+"""R2LM / block_causal checkpoint -> the same model with block-hybrid attention on chosen layers (DESIGN 1.2, 7).
+
+The chosen layers keep their q/k/v/o projections; they gain a Hedgehog feature map (identity plus noise) and a
+softmax gate (alpha = 0, w = 0.5). Until attention transfer trains the feature maps the linear part is only a
+rough stand-in for the softmax over earlier blocks; the first block, with nothing earlier, is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config, read_state_dict
+from convert.from_hf import load_backbone
+from r2lm import R2LMConfig, R2LMForDiffusionLM
+
+logger = logging.getLogger(__name__)
+
+
+def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, overwrite: bool = False) -> Path:
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    if read_config(src).get("model_type") != "r2lm":
+        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
+    config = R2LMConfig.from_pretrained(src)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("give the layers to convert, e.g. --layers 0,4,8")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--layers lists a layer twice: {layers}")
+    already = sorted(set(layers) & set(config.hybrid_layers))
+    if already:
+        raise ValueError(f"layers {already} are already block-hybrid in {src}; a layer is converted once")
+    if feature_dim is not None and config.hybrid_layers and feature_dim != config.hybrid_feature_dim:
+        raise ValueError(
+            f"{src} already has hybrid layers with feature dim {config.hybrid_feature_dim}; all hybrid layers share it"
+        )
+    fields = config.to_dict()
+    fields.update(hybrid_layers=sorted(config.hybrid_layers + layers))
+    if feature_dim is not None:
+        fields["hybrid_feature_dim"] = feature_dim
+    elif not config.hybrid_layers:  # the default 64, or the whole head when heads are smaller
+        fields["hybrid_feature_dim"] = min(config.hybrid_feature_dim, config.head_dim)
+    hybrid = R2LMConfig(**{k: v for k, v in fields.items() if k not in ("model_type", "transformers_version", "architectures")})
+
+    model = R2LMForDiffusionLM._from_config(hybrid, dtype=config.dtype)
+    new = tuple(f"model.layers.{i}.self_attn.linear_attention." for i in layers)
+    load_backbone(model, read_state_dict(src), fresh=lambda name: name.startswith(new))
+    with atomic_output_dir(dst, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if has_tokenizer(src):
+            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    logger.info("block-hybrid layers %s (feature dim %d)", hybrid.hybrid_layers, hybrid.hybrid_feature_dim)
+    return dst
