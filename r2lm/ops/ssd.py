@@ -64,24 +64,37 @@ def ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
     dtype = x.dtype
     chunk_size = min(chunk_size, length)  # any chunk size gives the same result; padding a short window is waste
     dt = _discretise(dt, dt_bias if dt_bias is not None else torch.zeros_like(A))
-    x, B, C = x.float(), _heads(B.float(), nheads), _heads(C.float(), nheads)
+    x, B, C = x.float(), B.float(), C.float()
     pad = (-length) % chunk_size
     if pad:
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
         dt = F.pad(dt, (0, 0, 0, pad))
     nchunks = x.shape[1] // chunk_size
-    # [B, c, s, H, ...]: chunk c, step s inside it
-    x, B, C = (t.reshape(batch, nchunks, chunk_size, nheads, -1) for t in (x, B, C))
+    # [B, c, s, H or G, ...]: chunk c, step s inside it
+    x, B, C = (t.reshape(batch, nchunks, chunk_size, t.shape[2], -1) for t in (x, B, C))
     dt = dt.reshape(batch, nchunks, chunk_size, nheads)
     xdt = x * dt[..., None]
     dA = (dt * A.float()).permute(0, 3, 1, 2)  # [B, H, c, s]
     dA_cumsum = torch.cumsum(dA, dim=-1)
 
     # 1. Inside each chunk: y_l = sum_{s <= l} (C_l . B_s) exp(dA_{s+1} + ... + dA_l) dt_s x_s
+    #    (C . B is computed once per group and shared by the group's heads)
     decay = torch.exp(_segsum(dA)).permute(0, 2, 1, 3, 4)  # [B, c, H, l, s]
-    scores = torch.einsum("bclhn,bcshn->bchls", C, B) * decay
+    groups = torch.einsum("bclgn,bcsgn->bcgls", C, B)
+    scores = groups.repeat_interleave(nheads // groups.shape[2], dim=2) * decay
     y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
 
+    if nchunks > 1:  # a sequence of one chunk (a sidecar window) has no state to carry
+        per_head = nheads // B.shape[3]
+        y = y + _carried(B.repeat_interleave(per_head, dim=3), C.repeat_interleave(per_head, dim=3), xdt, dA_cumsum)
+    y = y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :length]
+    if D is not None:
+        y = y + x.reshape(batch, -1, nheads, headdim)[:, :length] * D.float()[:, None]
+    return y.to(dtype)
+
+
+def _carried(B, C, xdt, dA_cumsum):
+    """What each chunk receives from the chunks before it (B, C per head: [B, c, s, H, N])."""
     # 2. The state each chunk leaves behind, from its own inputs only.
     decay_to_end = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)  # [B, H, c, s]
     chunk_states = torch.einsum("bcshn,bhcs,bcshp->bchpn", B, decay_to_end, xdt)
@@ -92,11 +105,7 @@ def ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
     entering = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, chunk_states)[:, :-1]
 
     # 4. What the entering state contributes at each step.
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(dA_cumsum))
-    y = y.reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :length]
-    if D is not None:
-        y = y + x.reshape(batch, -1, nheads, headdim)[:, :length] * D.float()[:, None]
-    return y.to(dtype)
+    return torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(dA_cumsum))
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):

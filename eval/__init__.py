@@ -1,0 +1,1 @@
+"""Evaluation: likelihood, downstream tasks and throughput benchmarks (JSON + PNG)."""
