@@ -29,13 +29,13 @@ import torch
 @dataclass(eq=False)
 class Layout:
     positions: torch.Tensor  # long [B or 1, T]: RoPE positions
-    chunks: torch.Tensor  # long [T]: chunk index, shared by all rows
+    chunks: torch.Tensor  # long [T], or [B, T] when rows are chunked differently (a prompt on each row's grid)
     noisy: torch.Tensor  # bool [T]: column belongs to an active window
     valid: torch.Tensor | None = None  # bool [B, T]: False for padding; None when every column is real
 
     def __post_init__(self):
-        T = self.chunks.shape[0]
-        if self.positions.dim() != 2 or self.positions.shape[1] != T or self.noisy.shape != (T,):
+        T = self.chunks.shape[-1]
+        if self.positions.dim() != 2 or self.positions.shape[1] != T or self.noisy.shape != (T,) or self.chunks.dim() > 2:
             raise ValueError(
                 f"layout shapes disagree: positions {tuple(self.positions.shape)}, chunks {tuple(self.chunks.shape)}, "
                 f"noisy {tuple(self.noisy.shape)}"
@@ -45,22 +45,30 @@ class Layout:
 
     @property
     def length(self) -> int:
-        return self.chunks.shape[0]
+        return self.chunks.shape[-1]
 
     # ---------------------------------------------------------------- builders
 
     @classmethod
-    def span(cls, attention_mask: torch.Tensor, start=0, noisy: bool = False, chunk: int = 0) -> Layout:
+    def span(cls, attention_mask: torch.Tensor, start=0, noisy: bool = False, chunk: int = 0, grid: int | None = None,
+             grid_offset: int = 0) -> Layout:
         """One chunk of columns: clean context (`noisy=False`) or one window (`noisy=True`).
 
-        attention_mask [B, T] (1 = token, 0 = left padding); start: each row's first position (int or [B])."""
+        attention_mask [B, T] (1 = token, 0 = left padding); start: each row's first position (int or [B]).
+        With `grid`, clean columns are instead cut into chunks on each row's absolute position grid: the token at
+        position p is in chunk `chunk + (p + grid_offset) // grid` (how block-diffusion training chunks its clean
+        stream, so a prompt committed this way is seen exactly as training saw context)."""
         valid = attention_mask.bool()
         start = torch.as_tensor(start, device=valid.device).reshape(-1, 1)
         positions = start + (valid.long().cumsum(dim=1) - 1).clamp(min=0)
         T = valid.shape[1]
+        if grid is not None:
+            chunks = chunk + (positions + grid_offset) // grid
+        else:
+            chunks = torch.full((T,), chunk, dtype=torch.long, device=valid.device)
         return cls(
             positions=positions,
-            chunks=torch.full((T,), chunk, dtype=torch.long, device=valid.device),
+            chunks=chunks,
             noisy=torch.full((T,), noisy, dtype=torch.bool, device=valid.device),
             valid=None if bool(valid.all()) else valid,
         )
@@ -72,9 +80,10 @@ class Layout:
         valid = None
         if any(lay.valid is not None for lay in layouts):
             valid = torch.cat([lay.valid_mask(batch) for lay in layouts], dim=1)
+        per_row = any(lay.chunks.dim() == 2 for lay in layouts)
         return cls(
             positions=torch.cat([lay.positions.expand(batch, -1) for lay in layouts], dim=1),
-            chunks=torch.cat([lay.chunks for lay in layouts]),
+            chunks=torch.cat([lay.chunks.expand(batch, -1) if per_row else lay.chunks for lay in layouts], dim=-1),
             noisy=torch.cat([lay.noisy for lay in layouts]),
             valid=valid,
         )
@@ -93,7 +102,8 @@ class Layout:
         and in an earlier chunk. Softmax layers attend over their union; block-hybrid layers attend to `own` with
         softmax and to `earlier` linearly. Padding keys are in neither; a padding query sees only itself."""
         qp, kp = self.positions[:, :, None], self.positions[:, None, :]
-        qc, kc = self.chunks[None, :, None], self.chunks[None, None, :]
+        chunks = self.chunks if self.chunks.dim() == 2 else self.chunks[None]
+        qc, kc = chunks[:, :, None], chunks[:, None, :]
         qn, kn = self.noisy[None, :, None], self.noisy[None, None, :]
         if kind == "bidirectional":
             own, earlier = torch.ones_like(qp == kp), torch.zeros_like(qc == kc)
@@ -129,7 +139,12 @@ class Layout:
         cols = torch.nonzero(self.noisy).flatten()
         if cols.numel() == 0:
             return None
-        ids, counts = torch.unique_consecutive(self.chunks[cols], return_counts=True)
+        chunks = self.chunks[..., cols]
+        if chunks.dim() == 2:
+            if not bool((chunks == chunks[:1]).all()):
+                raise ValueError("windows must cover the same columns in every row")
+            chunks = chunks[0]
+        ids, counts = torch.unique_consecutive(chunks, return_counts=True)
         if len(ids) != len(torch.unique(ids)):
             raise ValueError("the columns of a window must be contiguous")
         width = int(counts.max())
@@ -141,7 +156,7 @@ class Layout:
     @property
     def is_plain(self) -> bool:
         """One clean chunk with no padding: the mask is plain causal (or empty), so SDPA can take a fast path."""
-        return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks[0]).all())
+        return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks.flatten()[0]).all())
 
 
 def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction: str):

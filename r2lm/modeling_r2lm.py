@@ -181,13 +181,25 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         return KVCache(self.config, batch_size, max_length, dtype or self.dtype, device or self.device)
 
     def prefill(self, input_ids, cache: KVCache, attention_mask=None, logits_to_keep: int = 1) -> torch.Tensor:
-        """Append clean tokens (a left-padded prompt) to the cache, sidecar off. Returns the last logits."""
-        layout = Layout.span(_ones_if_none(attention_mask, input_ids), start=cache.next_position)
+        """Append a left-padded prompt to the cache as clean context, sidecar off. Returns the last logits.
+
+        Where chunks matter (block_causal attention, block-hybrid layers) the prompt goes in block by block on each
+        row's position grid (block k opens at k * block_size, one token earlier under `shift`), exactly as
+        training chunks its clean stream; for a causal softmax model one chunk computes the same thing."""
+        layout = self.prompt_layout(_ones_if_none(attention_mask, input_ids), start=cache.next_position)
         return self(input_ids, layout=layout, cache=cache, update_cache=True, logits_to_keep=logits_to_keep).logits
 
+    def prompt_layout(self, attention_mask, start=0, chunk: int = 0) -> Layout:
+        """The layout prefill gives a prompt: one clean chunk, or the block grid where chunks matter."""
+        if self.config.attention != "block_causal" and not self.config.hybrid_layers:
+            return Layout.span(attention_mask, start=start, chunk=chunk)
+        offset = int(self.config.prediction == "shift")
+        return Layout.span(attention_mask, start=start, chunk=chunk, grid=self.config.block_size, grid_offset=offset)
+
     def commit(self, input_ids, cache: KVCache, attention_mask=None, logits_to_keep: int = 1) -> torch.Tensor:
-        """Append a finished block as clean tokens (same computation as prefill: one chunk of clean context)."""
-        return self.prefill(input_ids, cache, attention_mask, logits_to_keep)
+        """Append a finished block to the cache as one chunk of clean tokens, sidecar off."""
+        layout = Layout.span(_ones_if_none(attention_mask, input_ids), start=cache.next_position)
+        return self(input_ids, layout=layout, cache=cache, update_cache=True, logits_to_keep=logits_to_keep).logits
 
     def denoise(self, window_ids, cache: KVCache, attention_mask=None) -> torch.Tensor:
         """Logits of one window [B, T] read against the cache, sidecar on. The committed cache is unchanged."""

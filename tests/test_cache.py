@@ -38,7 +38,9 @@ def test_prefill_denoise_equals_full_forward(name):
     with torch.no_grad():
         model.prefill(ids, cache, attention_mask=mask)
         cached = model.denoise(window, cache)
-        layout = Layout.cat(Layout.span(mask), Layout.span(torch.ones_like(window), start=mask.sum(1), noisy=True, chunk=1))
+        prompt = model.prompt_layout(mask)  # one chunk, or block_causal's position grid
+        window_layout = Layout.span(torch.ones_like(window), start=mask.sum(1), noisy=True, chunk=int(prompt.chunks.max()) + 1)
+        layout = Layout.cat(prompt, window_layout)
         full = model(torch.cat([ids, window], 1), layout=layout).logits[:, ids.shape[1]:]
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
@@ -55,11 +57,12 @@ def test_commit_then_next_window_equals_full_forward(name):
         model.denoise(_window(3), cache)  # a denoise in between must leave no trace
         model.commit(first, cache)
         cached = model.denoise(second, cache)
-        ones = torch.ones_like(first)
+        ones, prompt = torch.ones_like(first), model.prompt_layout(mask)
+        after = int(prompt.chunks.max())
         layout = Layout.cat(
-            Layout.span(mask),
-            Layout.span(ones, start=mask.sum(1), chunk=1),
-            Layout.span(ones, start=mask.sum(1) + 8, noisy=True, chunk=2),
+            prompt,
+            Layout.span(ones, start=mask.sum(1), chunk=after + 1),
+            Layout.span(ones, start=mask.sum(1) + 8, noisy=True, chunk=after + 2),
         )
         full = model(torch.cat([ids, first, second], 1), layout=layout).logits[:, -8:]
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
@@ -110,8 +113,7 @@ def test_dual_stream_window_equals_decoding(name, prediction):
         cols = (layout.chunks == k) & layout.noisy
         cache = model.new_cache(2, 64)
         with torch.no_grad():
-            for j in range(k):  # commit the clean prefix in the chunks decoding would use
-                model.commit(x0[:, max(0, j * b - offset) : (j + 1) * b - offset], cache)
+            model.prefill(x0[:, :start], cache)  # block_causal: the prompt goes in block by block, like training
             window = inputs[:, cols]
             torch.testing.assert_close(model.denoise(window, cache), logits[:, cols], atol=1e-5, rtol=1e-5)
         assert torch.equal(target[cols], torch.arange(start, start + window.shape[1]) + offset)

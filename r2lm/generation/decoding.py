@@ -74,8 +74,11 @@ class CachedContext:
         self.model = model
         self.cache = KVCache(model.config, batch, max_length, model.dtype, model.device)
 
-    def commit(self, ids, mask=None, logits=False):
-        return self.model.commit(ids, self.cache, attention_mask=mask, logits_to_keep=0 if logits else 1)
+    def prefill(self, ids, mask):
+        self.model.prefill(ids, self.cache, attention_mask=mask)
+
+    def commit(self, ids, logits=False):
+        return self.model.commit(ids, self.cache, logits_to_keep=0 if logits else 1)
 
     def denoise(self, window):
         return self.model.denoise(window, self.cache)
@@ -88,15 +91,23 @@ class RecomputedContext:
         self.model = model
         self.ids, self.layouts = [], []
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+        self.next_chunk = 0
 
-    def commit(self, ids, mask=None, logits=False):
-        mask = torch.ones_like(ids) if mask is None else mask
-        self.layouts.append(Layout.span(mask, start=self.next_position, chunk=len(self.layouts)))
+    def prefill(self, ids, mask):
+        self._append(ids, self.model.prompt_layout(mask, start=self.next_position, chunk=self.next_chunk), mask)
+
+    def commit(self, ids, logits=False):
+        mask = torch.ones_like(ids)
+        self._append(ids, Layout.span(mask, start=self.next_position, chunk=self.next_chunk), mask)
+
+    def _append(self, ids, layout, mask):
         self.ids.append(ids)
+        self.layouts.append(layout)
         self.next_position = self.next_position + mask.sum(1)
+        self.next_chunk = int(layout.chunks.max()) + 1
 
     def denoise(self, window):
-        win = Layout.span(torch.ones_like(window), start=self.next_position, noisy=True, chunk=len(self.layouts))
+        win = Layout.span(torch.ones_like(window), start=self.next_position, noisy=True, chunk=self.next_chunk)
         out = self.model(torch.cat([*self.ids, window], 1), layout=Layout.cat(*self.layouts, win))
         return out.logits[:, -window.shape[1] :]
 
@@ -120,7 +131,7 @@ def decode_blocks(model, r: Request) -> GenerateOutput:
     opener = ids[:, -1:] if shift else None  # shift: the last prompt token opens the first window
     head, head_mask = (ids[:, :-1], mask[:, :-1]) if shift else (ids, mask)
     if head.shape[1]:
-        context.commit(head, head_mask)
+        context.prefill(head, head_mask)
         nfe += r.use_cache
     out = torch.full((batch, n_new), mask_id, dtype=ids.dtype, device=ids.device)
     stopper = r.stopper
