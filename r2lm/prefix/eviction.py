@@ -16,17 +16,18 @@ store's job: it calls victim() while full, before admit().
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
 
 class EvictionPolicy:
-    """Recency bookkeeping over resident block keys. Subclasses implement the five methods below."""
+    """Recency bookkeeping over resident block keys; subclasses implement every method below."""
 
     def __init__(self, capacity: int):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"an eviction policy needs an integer capacity >= 1 (in blocks), got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = int(capacity)
 
     def admit(self, key: Hashable) -> None:
         """`key` became resident (admitting a resident key counts as a hit)."""
@@ -53,6 +54,9 @@ class EvictionPolicy:
 
     def __len__(self) -> int:  # resident count
         raise NotImplementedError
+
+
+_NOBODY = object()  # a sentinel no block key can equal
 
 
 def _first(order: Iterable, evictable: Callable) -> Hashable | None:
@@ -114,23 +118,31 @@ class ARCPolicy(EvictionPolicy):
         self.b2: OrderedDict = OrderedDict()
         self.ghost_hits_b1 = 0
         self.ghost_hits_b2 = 0
-        self._adapted_for = None  # the incoming ghost key whose p update victim() already applied
+        self._adapted_for = _NOBODY  # the incoming ghost key whose p update victim() already applied
+
+    def _target(self, key) -> float:
+        """p after a ghost hit on `key` (Cases II and III), or p itself when `key` is no ghost or its hit was
+        already applied. A B1 hit means T1 was too small, a B2 hit that T2 was; the step is the paper's
+        delta1 = 1 if |B1| >= |B2| else |B2|/|B1| (delta2 symmetric), i.e. max(1, ratio)."""
+        c = float(self.capacity)
+        if key == self._adapted_for:
+            return self.p
+        if key in self.b1:
+            return min(c, self.p + max(1.0, len(self.b2) / len(self.b1)))
+        if key in self.b2:
+            return max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+        return self.p
 
     def _adapt(self, key) -> None:
-        """Cases II and III: a ghost hit moves p towards the list that would have kept `key`. Applied once per
-        admission, by whichever of victim(incoming=key) / admit(key) sees it first, because the paper updates
-        p before REPLACE and with the ghost list sizes from before it."""
-        if key == self._adapted_for:
+        """Apply a ghost hit once per admission, by whichever of victim(incoming=key) / admit(key) sees it
+        first: the paper updates p before REPLACE, with the ghost list sizes from before it."""
+        if key == self._adapted_for or (key not in self.b1 and key not in self.b2):
             return
-        c = self.capacity
-        if key in self.b1:  # delta1 = 1 if |B1| >= |B2| else |B2| / |B1|
-            self.p = min(float(c), self.p + max(1.0, len(self.b2) / len(self.b1)))
+        self.p = self._target(key)
+        if key in self.b1:
             self.ghost_hits_b1 += 1
-        elif key in self.b2:  # delta2 = 1 if |B2| >= |B1| else |B1| / |B2|
-            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
-            self.ghost_hits_b2 += 1
         else:
-            return
+            self.ghost_hits_b2 += 1
         self._adapted_for = key
 
     def admit(self, key):
@@ -138,7 +150,7 @@ class ARCPolicy(EvictionPolicy):
             self.touch([key])
             return
         self._adapt(key)
-        self._adapted_for = None
+        self._adapted_for = _NOBODY
         if key in self.b1 or key in self.b2:  # Cases II, III: seen before, so it is frequent
             self.b1.pop(key, None)
             self.b2.pop(key, None)
@@ -169,21 +181,21 @@ class ARCPolicy(EvictionPolicy):
                 raise KeyError(f"touch() of a block that is not resident: {key!r}")
 
     def victim(self, evictable, incoming=None):
-        from_t1, from_t2 = _first(self.t1, evictable), _first(self.t2, evictable)
-        if from_t1 is None and from_t2 is None:
-            return None
-        if incoming is not None and incoming not in self:
-            self._adapt(incoming)
         # REPLACE(x, p): take from T1 when it is over target; on a tie, an x coming back from B2 (a frequent
         # block) also takes from T1. Fall back to the other list when the preferred one has nothing evictable.
-        t1_over = len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == self.p)
-        if from_t1 is not None and (t1_over or from_t2 is None):
-            del self.t1[from_t1]
-            self.b1[from_t1] = None
-            return from_t1
-        del self.t2[from_t2]
-        self.b2[from_t2] = None
-        return from_t2
+        fresh = incoming is not None and incoming not in self
+        p = self._target(incoming) if fresh else self.p
+        t1_first = len(self.t1) > p or (fresh and incoming in self.b2 and len(self.t1) == p)
+        order = [(self.t1, self.b1), (self.t2, self.b2)]
+        for src, ghosts in order if t1_first else order[::-1]:
+            key = _first(src, evictable)
+            if key is not None:
+                if fresh:
+                    self._adapt(incoming)
+                del src[key]
+                ghosts[key] = None
+                return key
+        return None
 
     def forget(self, key):
         for lst in (self.t1, self.t2, self.b1, self.b2):

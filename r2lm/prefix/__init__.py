@@ -1,0 +1,31 @@
+"""Cross-request prefix reuse: which blocks to keep (eviction) and where to keep recurrent-state checkpoints
+along a cached sequence (placement). See notes/prefix_caching.md sections 2 and 3."""
+
+from r2lm.prefix.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from r2lm.prefix.placement import (
+    DepthHistogram,
+    Placement,
+    block_spacing,
+    expected_gain,
+    expected_recompute,
+    last_only,
+    place_checkpoints,
+    place_checkpoints_quadratic,
+    uniform,
+)
+
+__all__ = [
+    "ARCPolicy",
+    "DepthHistogram",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "Placement",
+    "block_spacing",
+    "expected_gain",
+    "expected_recompute",
+    "last_only",
+    "make_policy",
+    "place_checkpoints",
+    "place_checkpoints_quadratic",
+    "uniform",
+]
