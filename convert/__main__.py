@@ -72,11 +72,69 @@ def run_from_hf(args) -> None:
     )
 
 
+def add_deepspeed_to_hf(sub) -> None:
+    p = sub.add_parser(
+        "deepspeed-to-hf",
+        help="DeepSpeed ZeRO-1/2/3 training checkpoint -> HF-format R2LM folder",
+        description="Reassemble the fp32 weights of a DeepSpeed checkpoint written by train/pretrain.py (any ZeRO "
+        "stage; CPU only) and save them as an R2LM folder with the config and tokenizer stored beside the shards. "
+        "CKPT: a checkpoint folder (run/checkpoints/step-00000500), a checkpoints folder (newest complete "
+        "checkpoint, or --tag) or a run folder.",
+    )
+    p.add_argument("ckpt", help="checkpoint, checkpoints or run folder")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--tag", help="checkpoint tag inside a checkpoints folder (default: the newest complete one)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the dtype in the saved config)")
+    p.add_argument("--model-config", help="folder with config.json (+ tokenizer) for checkpoints that have none beside them")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(run=run_deepspeed_to_hf)
+
+
+def run_deepspeed_to_hf(args) -> None:
+    from convert.deepspeed_to_hf import export_deepspeed_checkpoint
+
+    export_deepspeed_checkpoint(
+        args.ckpt, args.dst, tag=args.tag, dtype=DTYPES.get(args.dtype), model_config=args.model_config, overwrite=args.overwrite
+    )
+
+
+def add_to_hybrid(sub) -> None:
+    p = sub.add_parser(
+        "to-hybrid",
+        help="swap chosen layers of an R2LM / block_causal checkpoint to block-hybrid attention",
+        description="Give the chosen layers block-hybrid attention: exact softmax inside the active block, Hedgehog "
+        "linear attention over committed blocks (their decoding cache is a constant-size state). Train the feature "
+        "maps afterwards with attention transfer (train/pretrain.py objective attention_transfer).",
+    )
+    p.add_argument("src", help="R2LM checkpoint folder (causal or block_causal)")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--layers", type=layer_list, required=True, help="layers to convert, e.g. 0,4,8")
+    p.add_argument("--feature-dim", type=int, help="Hedgehog feature dim F, at most head_dim (default: 64)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(run=run_to_hybrid)
+
+
+def run_to_hybrid(args) -> None:
+    from convert.to_hybrid import convert_to_hybrid
+
+    convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim, overwrite=args.overwrite)
+
+
+def add_importers(sub) -> None:
+    """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
+    from convert.importers import add_parsers
+
+    add_parsers(sub, DTYPES, layer_list)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_from_hf(sub)
+    add_deepspeed_to_hf(sub)
+    add_to_hybrid(sub)
+    add_importers(sub)
     return parser
 
 

@@ -118,7 +118,8 @@ def block_loss(
         xt = torch.where(m, torch.full_like(x0, config.mask_token_id), x0)
         inputs, layout, target = dual_stream(x0, xt, b, config.prediction)
         cols = target >= 0
-        logits = model(inputs, layout=layout).logits[:, cols]  # [B, W, V]: column j predicts x0[target[j]]
+        # [B, W, V]: window column j predicts x0[target[j]]; the clean stream needs no logits
+        logits = model(inputs, layout=layout, logits_to_keep=torch.nonzero(cols).flatten()).logits
         tgt = target[cols]
         sel = m[:, tgt]
         ce = F.cross_entropy(logits[sel].float(), x0[:, tgt][sel], reduction="none")

@@ -135,10 +135,11 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         layout: Layout | None = None,
         cache: KVCache | None = None,
         update_cache: bool = False,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         **unused,
     ) -> CausalLMOutput:
-        """Logits [B, T, vocab] (or of the last `logits_to_keep` columns) for `input_ids` [B, T].
+        """Logits [B, T, vocab] for `input_ids` [B, T]; `logits_to_keep` (transformers' convention) limits them to
+        the last k columns (an int k > 0) or to the given column indices (a tensor).
 
         Without a layout the input is one clean chunk: causal for a causal model (a plain LM forward, positions
         from the left-padded `attention_mask`), fully visible for block_causal and bidirectional models. With a
@@ -160,7 +161,11 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         h = self.model(input_ids, layout, cache, commit=update_cache)
         if update_cache:
             cache.advance(layout.valid_mask(input_ids.shape[0]))
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        if isinstance(logits_to_keep, torch.Tensor):
+            h = h[:, logits_to_keep]
+        elif logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
         return CausalLMOutput(logits=logits)
 
     def _check_cache(self, cache: KVCache, input_ids: torch.Tensor) -> None:

@@ -4,6 +4,9 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
+# Tiny models run faster on one thread, and a shared 2-core machine stalls multi-threaded tiny matmuls.
+torch.set_num_threads(1)
+
 VOCAB = 96
 MASK_ID = VOCAB - 1
 

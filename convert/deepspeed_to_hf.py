@@ -1,0 +1,119 @@
+"""DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) -> HF-format R2LM folder (DESIGN section 7).
+
+The fp32 master weights are reassembled from the per-rank shards with DeepSpeed's own
+`zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (CPU only, no process group needed), loaded into an
+`R2LMForDiffusionLM` built from the config saved beside the shards, checked key by key, cast and saved with
+`save_pretrained` plus the tokenizer, atomically.
+
+CKPT may be a checkpoint folder (`OUTPUT_DIR/checkpoints/step-00000500`), a checkpoints folder (its newest
+complete checkpoint is used, or --tag), or a training run folder holding `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from convert.checkpoint import atomic_output_dir, has_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return path.is_dir() and any(_MODEL_STATES.search(p.name) for p in path.iterdir())
+
+
+def resolve_checkpoint(ckpt, tag: str | None = None) -> tuple[Path, str]:
+    """(checkpoints root, tag) for the forms of CKPT described in the module docstring. Raises ValueError."""
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist or is not a folder")
+    if tag is None and _is_tag_dir(path):
+        return path.parent, path.name
+    if (path / "checkpoints").is_dir() and not _is_tag_dir(path):
+        path = path / "checkpoints"
+    if tag is None:
+        from train.checkpointing import latest_checkpoint
+
+        newest = latest_checkpoint(path)
+        if newest is not None:
+            tag = newest.name
+        elif (path / "latest").is_file():
+            tag = (path / "latest").read_text().strip()
+        else:
+            raise ValueError(f"{path} holds no complete DeepSpeed checkpoint (no step-N folder, no 'latest' file)")
+    if not _is_tag_dir(path / tag):
+        raise ValueError(f"{path / tag} is not a DeepSpeed checkpoint (no *mp_rank_*_model_states.pt)")
+    return path, tag
+
+
+def load_fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise ValueError(f"cannot reassemble the ZeRO checkpoint {root / tag}: {err}") from err
+
+
+def build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """An R2LMForDiffusionLM holding exactly `state` (only a tied lm_head may be absent), in `dtype`."""
+    from r2lm import R2LMForDiffusionLM
+
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    state = {k: v for k, v in state.items() if k not in tied}
+    model, info = R2LMForDiffusionLM.from_pretrained(
+        None, config=config, state_dict=state, dtype=dtype, output_loading_info=True
+    )
+    missing = sorted(set(info["missing_keys"]) - tied)
+    if missing or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise ValueError(
+            f"the checkpoint does not match its config: missing {missing[:5]}, unexpected {sorted(info['unexpected_keys'])[:5]}, "
+            f"mismatched {list(info['mismatched_keys'])[:5]}"
+        )
+    return model.eval()
+
+
+def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False) -> Path:
+    """Write the HF-format R2LM folder `dst` from a DeepSpeed checkpoint; returns `dst`.
+
+    model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it."""
+    from transformers import AutoTokenizer
+
+    from r2lm import R2LMConfig
+
+    root, tag = resolve_checkpoint(ckpt, tag)
+    folder = root / tag
+    meta = Path(model_config) if model_config else folder
+    if not (meta / "config.json").is_file():
+        raise ValueError(
+            f"{meta} has no config.json: train/pretrain.py saves the model config beside every checkpoint; for "
+            "checkpoints of other trainers pass --model-config FOLDER"
+        )
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    config = R2LMConfig.from_pretrained(meta)
+    dtype = dtype or config.dtype or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    logger.info("reassembling fp32 weights from %s", folder)
+    model = build_model(config, load_fp32_state_dict(root, tag), dtype)
+    model.config.dtype = dtype
+    tokenizer = AutoTokenizer.from_pretrained(meta, local_files_only=True) if has_tokenizer(meta) else None
+    if tokenizer is None:
+        logger.warning("%s has no tokenizer: the export will have none", meta)
+    with atomic_output_dir(dst, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if (meta / "generation_config.json").is_file():
+            shutil.copy(meta / "generation_config.json", tmp / "generation_config.json")
+    logger.info("exported %s (%s) -> %s", folder, str(dtype).removeprefix("torch."), dst)
+    return dst

@@ -1,0 +1,290 @@
+"""The training configuration: one YAML file plus `key=value` overrides, checked before any work starts.
+
+    deepspeed --num_gpus 8 train/pretrain.py --config configs/train/NAME.yaml lr=3e-4 data.streaming=true
+
+Every key is declared once below with its type, default and help text; `--help` prints that table. Unknown keys
+(misspellings included) are an error naming them, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REQUIRED = object()  # sentinel default: the key must be given
+
+
+def opt(default, help: str, kind=None, choices=None):
+    """A config key: default value, help text, expected type(s), allowed values."""
+    if kind is None and default is not REQUIRED and default is not None:
+        kind = type(default)
+    meta = {"help": help, "kind": kind, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    train: Any = opt(REQUIRED, "training data: a text/jsonl/json/parquet file, a folder or glob of them, a list of "
+                     "those, or a hub dataset name", kind=(str, list))
+    heldout: Any = opt(None, "held-out data (same forms as `train`); when null, `heldout_fraction` of the training "
+                       "documents is held out", kind=(str, list))
+    heldout_fraction: float = opt(0.0, "fraction of training documents held out when `heldout` is null (every "
+                                  "1/f-th document, so it works with streaming too); 0 disables held-out evaluation")
+    format: str = opt("auto", "file format; auto = from the file extension", choices=("auto", "text", "json", "parquet", "hub"))
+    text_field: str = opt("text", "column holding the text in json/parquet/hub data")
+    text_unit: str = opt("paragraph", "what one document is in a plain-text file", choices=("paragraph", "line", "document"))
+    hub_config: Any = opt(None, "configuration name of a hub dataset (e.g. sample-10BT)", kind=str)
+    hub_split: str = opt("train", "split of a hub dataset to read")
+    streaming: bool = opt(False, "stream documents instead of tokenising the whole corpus up front (large corpora); "
+                          "a resumed run fast-forwards through the stream to its position")
+    shuffle_buffer: int = opt(10000, "documents in the (seeded) shuffle buffer when streaming; 0 = source order")
+    num_proc: int = opt(1, "processes for tokenisation (non-streaming)")
+    cache_dir: Any = opt(None, "datasets cache folder (default: the HF datasets cache)", kind=str)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = opt("offline", "offline (written under OUTPUT_DIR/wandb, sync later), online (falls back to offline "
+                    "without an API key) or disabled", choices=("offline", "online", "disabled"))
+    project: str = opt("r2lm", "wandb project")
+    name: Any = opt(None, "run name (default: the output folder's name)", kind=str)
+    entity: Any = opt(None, "wandb entity (team or user)", kind=str)
+    tags: list = opt([], "run tags")
+
+
+@dataclass
+class TrainConfig:
+    model: str = opt(REQUIRED, "R2LM checkpoint folder to start from (python -m convert from-hf ...)", kind=str)
+    output_dir: str = opt(REQUIRED, "run folder: checkpoints/, final/ (HF export), metrics.jsonl, train.log, wandb/", kind=str)
+    deepspeed: str = opt("configs/deepspeed/zero2.json", "DeepSpeed JSON config (ZeRO stage and communication "
+                         "settings); relative paths are tried from the working directory, then the repository root")
+    precision: str = opt("auto", "auto = bf16 on CUDA, fp32 on CPU; overrides bf16.enabled of the DeepSpeed config",
+                         choices=("auto", "bf16", "fp32"))
+    seed: int = opt(0, "seed of the data order, the diffusion noise and anything else random")
+
+    objective: str = opt("block", "training objective (r2lm.diffusion)", choices=("ar", "mdlm", "block"))
+    complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample")
+    eps: float = opt(1e-3, "diffusion objectives: smallest masking probability")
+    freeze_backbone: bool = opt(False, "train only the sidecars and their gates (R2LM plug-in variant)")
+    gradient_checkpointing: bool = opt(False, "recompute layer activations in the backward pass to save memory")
+
+    seq_len: int = opt(512, "tokens per packed training sequence (at most the model's max_position_embeddings)")
+    micro_batch_size: int = opt(4, "sequences per rank per forward")
+    grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
+    steps: int = opt(1000, "optimizer steps in the whole run (sets the LR schedule)")
+    stop_at: Any = opt(None, "stop after this step with a checkpoint, without finishing the schedule (time-limited "
+                       "jobs); rerun with resume=auto to continue", kind=int)
+
+    lr: float = opt(1e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of lr")
+    warmup_steps: int = opt(100, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only (not norms, biases, gates, SSM A/D/dt)")
+    adam_betas: list = opt([0.9, 0.95], "AdamW betas")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "gradient clipping by global norm; 0 disables")
+
+    log_every: int = opt(10, "log a line (and update wandb) every N steps; metrics.jsonl gets every step")
+    eval_every: int = opt(200, "held-out evaluation every N steps (and at the end); 0 = only at the end")
+    eval_batches: int = opt(8, "held-out micro-batches per rank per evaluation (fewer if the held-out set is smaller)")
+    eval_at_start: bool = opt(True, "evaluate once before the first step")
+    eval_seed: int = opt(1234, "noise seed of the held-out evaluation, fixed so evaluations are comparable")
+
+    save_every: int = opt(500, "DeepSpeed checkpoint every N steps (and at the end); 0 = only at the end")
+    keep_checkpoints: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 keeps all")
+    resume: str = opt("auto", "auto = continue from the latest complete checkpoint in OUTPUT_DIR/checkpoints if any; "
+                      "never = start fresh (refuses a folder that has checkpoints); or a checkpoint folder path")
+    export: bool = opt(True, "write an HF-format R2LM folder to OUTPUT_DIR/final when the run ends")
+    export_dtype: str = opt("auto", "dtype of the export; auto = the dtype of the starting checkpoint",
+                            choices=("auto", "float32", "bfloat16", "float16"))
+
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data pipeline (train/data.py)"})
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "experiment tracking"})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`a.b=value` strings -> nested dict; values parsed as YAML scalars (3, 1.0e-4, true, null, [1, 2])."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value (dotted keys for nesting: data.train=...)")
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as err:
+            raise ValueError(f"override {item!r}: cannot parse the value as YAML: {err}") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r} conflicts with another override of {part!r}")
+        node[parts[-1]] = parsed
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read the YAML file (if any), apply overrides, check every key and value. Raises ValueError."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {path} must hold a mapping of keys to values, got {type(raw).__name__}")
+    raw = merge(raw, parse_overrides(list(overrides)))
+    unknown = sorted(_unknown_keys(TrainConfig, raw))
+    if unknown:
+        hints = [f"{k} (did you mean {s}?)" if (s := _suggest(k)) else k for k in unknown]
+        raise ValueError(f"unknown config key(s): {', '.join(hints)}; run train/pretrain.py --help for the list")
+    cfg = _build(TrainConfig, raw, prefix="")
+    check_values(cfg)
+    return cfg
+
+
+def _unknown_keys(cls, raw: dict, prefix: str = ""):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in raw.items():
+        f = fields.get(key)
+        if f is None:
+            yield prefix + str(key)
+        elif _is_section(f) and isinstance(value, dict):  # a non-mapping section is reported by _build
+            yield from _unknown_keys(type(f.default_factory()), value, prefix + key + ".")
+
+
+def _is_section(f) -> bool:
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory())
+
+
+def _suggest(key: str) -> str | None:
+    names = [name for name, _ in all_keys(TrainConfig)]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    longer = [name for name in names if name.startswith(key + "_")]  # warmup -> warmup_steps
+    return longer[0] if len(longer) == 1 else None
+
+
+def _build(cls, raw: dict, prefix: str, missing: list | None = None):
+    top = missing is None
+    missing = [] if top else missing
+    values = {}
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if _is_section(f):
+            sub = raw.get(f.name, {})
+            if not isinstance(sub, dict):
+                raise ValueError(f"config key {name} must be a mapping of keys, got {sub!r}")
+            values[f.name] = _build(type(f.default_factory()), sub, name + ".", missing)
+            continue
+        if f.name not in raw:
+            if f.default is REQUIRED:
+                missing.append(name)
+            continue
+        values[f.name] = _coerce(name, raw[f.name], f.metadata)
+    if top and missing:
+        raise ValueError(f"missing required config key(s): {', '.join(sorted(missing, key=lambda n: n.count('.')))}")
+    return None if missing else cls(**values)  # a section with missing keys: reported at the top level
+
+
+def _coerce(name: str, value, meta: dict):
+    kind, choices = meta["kind"], meta["choices"]
+    if value is None:
+        return None  # optional keys only; required values are checked in check_values
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, str):
+        try:  # YAML reads "1e-4" (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = any(isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds)
+    if not ok:
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"config key {name} must be {expected}, got {value!r}")
+    if choices and value not in choices:
+        raise ValueError(f"config key {name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Value checks that need no file access (those come in pretrain.validate)."""
+    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "eval_batches"]
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise ValueError(f"config key {key} must be positive, got {getattr(cfg, key)}")
+    for key in ["warmup_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "grad_clip", "weight_decay"]:
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"config key {key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.log_every == 0:
+        cfg.log_every = 1
+    if cfg.lr <= 0:
+        raise ValueError(f"config key lr must be positive, got {cfg.lr}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"config key min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if len(cfg.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.adam_betas):
+        raise ValueError(f"config key adam_betas must be two numbers in [0, 1), got {cfg.adam_betas}")
+    if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
+        raise ValueError(f"config key stop_at must be in [1, steps={cfg.steps}], got {cfg.stop_at}")
+    if not 0 <= cfg.data.heldout_fraction < 1:
+        raise ValueError(f"config key data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
+    if cfg.data.heldout is not None and cfg.data.heldout_fraction:
+        raise ValueError("give either data.heldout or data.heldout_fraction, not both")
+    if cfg.data.shuffle_buffer < 0 or cfg.data.num_proc < 1:
+        raise ValueError("data.shuffle_buffer must be >= 0 and data.num_proc >= 1")
+    for key in ("train", "heldout"):
+        value = getattr(cfg.data, key)
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) for v in value)):
+            raise ValueError(f"config key data.{key} must be a string or a non-empty list of strings, got {value!r}")
+    if cfg.data.train in ("", None):
+        raise ValueError("config key data.train is empty: give the training data")
+
+
+# ---------------------------------------------------------------------------------------------- help
+
+
+def all_keys(cls=TrainConfig, prefix: str = ""):
+    """(dotted name, field) for every leaf key."""
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            yield from all_keys(type(f.default_factory()), prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f
+
+
+def keys_help() -> str:
+    lines = ["config keys (YAML file and/or key=value overrides):"]
+    for name, f in all_keys():
+        default = "(required)" if f.default is REQUIRED else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        choices = f" {{{', '.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
+        lines.append(f"  {name}{choices} = {default}")
+        lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)

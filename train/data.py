@@ -1,0 +1,372 @@
+"""Training data: documents -> tokens -> fixed-length packed sequences -> per-rank micro-batches.
+
+Sources (`data.train`, `data.heldout`): local text / jsonl / json / parquet files (a path, a folder, a glob or a
+list of them) or a hub dataset name, read with `datasets` (so `HF_DATASETS_OFFLINE=1` works for local files and
+for hub datasets already in the cache). Documents are tokenised with the checkpoint's tokenizer (special-token
+text inside documents is split, never turned into [MASK] or EOS), each followed by EOS, concatenated and cut
+into `seq_len` pieces.
+
+Order. Batches are a pure function of (seed, global step, micro-step, rank), so a resumed run sees exactly the
+batches the uninterrupted run would have seen:
+
+- in-memory (default): the packed sequences form one list of N; the global stream of sample positions
+  q = 0, 1, 2, ... maps to epoch q // N and index perm_epoch[q % N] (a seeded permutation per epoch); step s,
+  micro-step m, rank r reads positions s*G + (m*world + r)*mbs + [0, mbs), with G = mbs * grad_accum * world.
+  The ranks of one step read disjoint slices that together cover the step's global batch.
+- streaming: documents are shuffled with a seeded buffer, split across ranks (`split_dataset_by_node`: each
+  rank reads a disjoint part), tokenised and packed on the fly; rank r's micro-batch (s, m) is batch
+  s * grad_accum + m of its own stream, and a resumed run fast-forwards to it.
+
+Held out: a separate source, or every 1/f-th document of the training source (`heldout_fraction`), chosen by
+document index before shuffling, so the two never share a document.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+PACK_DOCS = 1000  # documents packed together per map batch; at most seq_len - 1 tokens per batch are dropped
+PACK_VERSION = "r2lm-pack-1"  # part of the cache fingerprint: bump when the packing changes
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    builder: str  # "text" | "json" | "parquet" | "hub"
+    files: list[str] | None = None
+    name: str | None = None  # hub dataset name
+
+    def describe(self) -> str:
+        if self.name:
+            return f"hub dataset {self.name}"
+        return self.files[0] if len(self.files) == 1 else f"{len(self.files)} {self.builder} files"
+
+
+def _builder_of(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED:
+        suffixes = suffixes[:-1]
+    return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or _builder_of(Path(spec)) is not None
+
+
+def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
+    """Turn a config value into files (checked to exist and be non-empty) or a hub name. Raises ValueError."""
+    specs = spec if isinstance(spec, list) else [spec]
+    files: list[str] = []
+    hub: list[str] = []
+    for s in specs:
+        path = Path(s).expanduser()
+        if any(ch in s for ch in "*?["):
+            matches = sorted(glob.glob(str(path), recursive=True))
+            if not matches:
+                raise ValueError(f"{what}: the pattern {s} matches no file")
+            files += matches
+        elif path.is_dir():
+            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_of(p) and not p.name.startswith("."))
+            if not found:
+                raise ValueError(f"{what}: the folder {s} holds no data file ({', '.join(sorted(BUILDERS))})")
+            files += found
+        elif path.is_file():
+            files.append(str(path))
+        elif fmt == "hub" or (fmt == "auto" and not _looks_like_path(s)):
+            hub.append(s)
+        else:
+            raise ValueError(f"{what}: data file {s} does not exist")
+    if hub and (files or len(hub) > 1):
+        raise ValueError(f"{what}: give one hub dataset, or local files, not a mix: {specs}")
+    if hub:
+        return Source("hub", name=hub[0])
+    for f in files:
+        if Path(f).stat().st_size == 0:
+            raise ValueError(f"{what}: data file {f} is empty")
+    builders = {fmt} if fmt not in ("auto", "hub") else {_builder_of(Path(f)) for f in files}
+    if None in builders:
+        unknown = [f for f in files if _builder_of(Path(f)) is None]
+        raise ValueError(f"{what}: cannot tell the format of {unknown[0]} from its extension; set data.format")
+    if len(builders) > 1:
+        raise ValueError(f"{what}: files of different formats ({sorted(builders)}); use one format per source")
+    return Source(builders.pop(), files=files)
+
+
+# ---------------------------------------------------------------------------------------------- documents
+
+
+def load_documents(source: Source, cfg, streaming: bool):
+    """The documents of `source` as a (Iterable)Dataset with the single column "text"."""
+    import datasets
+
+    kwargs = dict(streaming=streaming, cache_dir=cfg.cache_dir)
+    try:
+        if source.builder == "hub":
+            ds = datasets.load_dataset(source.name, cfg.hub_config, split=cfg.hub_split, **kwargs)
+        elif source.builder == "text":
+            ds = datasets.load_dataset("text", data_files=source.files, sample_by=cfg.text_unit, split="train", **kwargs)
+        else:
+            ds = datasets.load_dataset(source.builder, data_files=source.files, split="train", **kwargs)
+    except ValueError:
+        raise
+    except Exception as err:  # network / not found / parse errors: one clear message
+        offline = " (HF_DATASETS_OFFLINE is set: only cached hub datasets load)" if datasets.config.HF_HUB_OFFLINE else ""
+        raise ValueError(f"cannot load {source.describe()}{offline}: {type(err).__name__}: {err}") from err
+    field = "text" if source.builder == "text" else cfg.text_field
+    columns = ds.column_names
+    if columns is None and streaming:  # some streamed sources only know their columns after the first example
+        columns = list(next(iter(ds.take(1)), {}).keys())
+    if field not in (columns or []):
+        raise ValueError(f"{source.describe()} has no column {field!r} (columns: {columns}); set data.text_field")
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    return ds
+
+
+def is_heldout(index: int, fraction: float) -> bool:
+    """Document `index` is held out when it crosses a multiple of 1/fraction: exactly `fraction` of every prefix."""
+    return math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+
+def split_heldout(docs, fraction: float, heldout: bool):
+    return docs.filter(lambda _, i: is_heldout(i, fraction) == heldout, with_indices=True)
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    # split_special_tokens: a document that contains the text "<|mask|>" or "<|endoftext|>" gets ordinary tokens,
+    # so [MASK] and EOS ids only ever come from the pipeline itself.
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def pack(token_lists, eos_id: int, seq_len: int, carry: list[int] | None = None):
+    """Append EOS to each non-empty document, concatenate (after `carry`), cut into seq_len pieces.
+
+    Returns (sequences, leftover tokens)."""
+    flat = list(carry or [])
+    for ids in token_lists:
+        if ids:
+            flat.extend(ids)
+            flat.append(eos_id)
+    n = len(flat) // seq_len
+    return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)], flat[n * seq_len :]
+
+
+def pack_dataset(docs, tokenizer, eos_id: int, seq_len: int, num_proc: int = 1):
+    """In-memory path: a datasets.Dataset with one column `input_ids` of seq_len ids per row (cached on disk)."""
+    fingerprint = hashlib.sha256(
+        f"{docs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{eos_id}|{seq_len}|{PACK_VERSION}".encode()
+    ).hexdigest()[:32]
+
+    def _pack(batch):
+        return {"input_ids": pack(encode(tokenizer, batch["text"]), eos_id, seq_len)[0]}
+
+    return docs.map(
+        _pack, batched=True, batch_size=PACK_DOCS, remove_columns=docs.column_names, num_proc=num_proc if num_proc > 1 else None,
+        new_fingerprint=fingerprint, desc=f"tokenise and pack ({seq_len} tokens)",
+    )
+
+
+def stream_sequences(docs, tokenizer, eos_id: int, seq_len: int, what: str):
+    """Streaming path: an endless iterator of packed sequences, cycling epochs (`set_epoch` reshuffles)."""
+    carry: list[int] = []
+    for epoch in itertools.count():
+        if hasattr(docs, "set_epoch"):
+            docs.set_epoch(epoch)
+        produced = False
+        rows = iter(docs)
+        while chunk := [row["text"] for row in itertools.islice(rows, 256)]:
+            sequences, carry = pack(encode(tokenizer, chunk), eos_id, seq_len, carry)
+            for seq in sequences:
+                produced = True
+                yield seq
+        if not produced and epoch == 0:
+            raise ValueError(f"{what} yields no complete sequence of {seq_len} tokens on this rank: the data is empty or too small")
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+class IndexedBatches:
+    """Micro-batches of one rank, indexed by (step, micro-step), over an in-memory packed dataset."""
+
+    def __init__(self, dataset, micro_batch_size: int, grad_accum: int, rank: int, world: int, seed: int):
+        self.dataset, self.n = dataset, len(dataset)
+        self.mbs, self.gas, self.rank, self.world, self.seed = micro_batch_size, grad_accum, rank, world, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._perms[epoch]
+
+    def positions(self, step: int, micro: int, rank: int | None = None) -> range:
+        """Positions in the global sample stream read by `rank` at (step, micro)."""
+        rank = self.rank if rank is None else rank
+        start = step * self.mbs * self.gas * self.world + (micro * self.world + rank) * self.mbs
+        return range(start, start + self.mbs)
+
+    def indices(self, step: int, micro: int, rank: int | None = None) -> list[int]:
+        return [int(self.permutation(q // self.n)[q % self.n]) for q in self.positions(step, micro, rank)]
+
+    def __call__(self, step: int, micro: int) -> torch.Tensor:
+        rows = self.dataset[self.indices(step, micro)]["input_ids"]
+        return torch.tensor(rows, dtype=torch.long)
+
+
+class StreamBatches:
+    """Micro-batches of one rank from its own packed stream; batch (step, micro) is number step * gas + micro."""
+
+    def __init__(self, sequences, micro_batch_size: int, grad_accum: int):
+        self.sequences, self.mbs, self.gas = sequences, micro_batch_size, grad_accum
+        self.next = 0
+
+    def __call__(self, step: int, micro: int) -> torch.Tensor:
+        target = step * self.gas + micro
+        if target < self.next:
+            raise RuntimeError(f"stream batch {target} was already read (next is {self.next}): read batches in order")
+        if target > self.next:
+            logger.info("fast-forwarding the data stream over %d micro-batches to step %d", target - self.next, step)
+            for _ in itertools.islice(self.sequences, (target - self.next) * self.mbs):
+                pass
+            self.next = target
+        rows = list(itertools.islice(self.sequences, self.mbs))
+        self.next += 1
+        return torch.tensor(rows, dtype=torch.long)
+
+
+class EvalSet:
+    """Held-out sequences and a fixed evaluation plan: the same batches, in the same order, every evaluation."""
+
+    def __init__(self, rows: list[list[int]] | object, micro_batch_size: int, world: int, max_batches: int):
+        self.rows, self.n = rows, len(rows)
+        self.mbs, self.world = micro_batch_size, world
+        # every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively)
+        self.num_batches = min(max_batches, math.ceil(self.n / (world * micro_batch_size)))
+
+    def plan(self, rank: int):
+        """[(k, indices, weight)]: batch k of `rank`; weight 0 marks a filler batch of a rank that ran out."""
+        out = []
+        for k in range(self.num_batches):
+            start = (k * self.world + rank) * self.mbs
+            idx = [i for i in range(start, start + self.mbs) if i < self.n]
+            out.append((k, idx, 1.0) if idx else (k, [0], 0.0))
+        return out
+
+    def batch(self, indices: list[int]) -> torch.Tensor:
+        rows = self.rows[indices]["input_ids"] if hasattr(self.rows, "column_names") else [self.rows[i] for i in indices]
+        return torch.tensor(rows, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------- assembly
+
+
+@dataclass
+class Data:
+    train: IndexedBatches | StreamBatches
+    heldout: EvalSet | None
+    eos_id: int
+    num_train_sequences: int | None  # None when streaming
+
+
+def eos_id_of(tokenizer, model_config) -> int:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = model_config.eos_token_id[0] if isinstance(model_config.eos_token_id, list) else model_config.eos_token_id
+    if eos is None:
+        raise ValueError("neither the tokenizer nor the model config defines an EOS token, which packing needs as separator")
+    return int(eos)
+
+
+def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node: bool, barrier) -> Data:
+    """Build the training batches and the held-out set of this rank (cfg: the TrainConfig).
+
+    In-memory mode: the first rank of each node tokenises (filling the datasets cache) while the others wait at
+    `barrier`, then they load the cached result."""
+    d = cfg.data
+    train_src = resolve_source(d.train, d.format, "data.train")
+    held_src = resolve_source(d.heldout, d.format, "data.heldout") if d.heldout is not None else None
+    seq_len, mbs, gas = cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum
+
+    if d.streaming:
+        from datasets.distributed import split_dataset_by_node
+
+        docs = load_documents(train_src, d, streaming=True)
+        held_docs = load_documents(held_src, d, streaming=True) if held_src else None
+        if d.heldout_fraction:
+            held_docs = split_heldout(docs, d.heldout_fraction, True)
+            docs = split_heldout(docs, d.heldout_fraction, False)
+        if d.shuffle_buffer:
+            docs = docs.shuffle(seed=cfg.seed, buffer_size=d.shuffle_buffer)
+        docs = split_dataset_by_node(docs, rank=rank, world_size=world)
+        train = StreamBatches(stream_sequences(docs, tokenizer, eos_id, seq_len, "data.train"), mbs, gas)
+        heldout = None
+        if held_docs is not None:
+            wanted = cfg.eval_batches * world * mbs
+            rows = list(itertools.islice(_finite_sequences(held_docs, tokenizer, eos_id, seq_len), wanted))
+            if not rows:
+                raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
+            heldout = EvalSet(rows, mbs, world, cfg.eval_batches)
+        return Data(train, heldout, eos_id, None)
+
+    def build():
+        docs = load_documents(train_src, d, streaming=False)
+        held_docs = load_documents(held_src, d, streaming=False) if held_src else None
+        if d.heldout_fraction:
+            held_docs = split_heldout(docs, d.heldout_fraction, True)
+            docs = split_heldout(docs, d.heldout_fraction, False)
+        packed = pack_dataset(docs, tokenizer, eos_id, seq_len, d.num_proc)
+        held = pack_dataset(held_docs, tokenizer, eos_id, seq_len, d.num_proc) if held_docs is not None else None
+        return docs, packed, held
+
+    if first_on_node:
+        docs, packed, held = build()
+        barrier()
+    else:
+        barrier()
+        docs, packed, held = build()
+    if len(packed) == 0:
+        raise ValueError(
+            f"data.train ({train_src.describe()}) yields no complete sequence of {seq_len} tokens "
+            f"({len(docs)} documents): the data is empty or shorter than one sequence"
+        )
+    if held is not None and len(held) == 0:
+        raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
+    logger.info("training data: %d packed sequences of %d tokens (%s)", len(packed), seq_len, train_src.describe())
+    train = IndexedBatches(packed.with_format(None), mbs, gas, rank, world, cfg.seed)
+    heldout = EvalSet(held, mbs, world, cfg.eval_batches) if held is not None else None
+    return Data(train, heldout, eos_id, len(packed))
+
+
+def _finite_sequences(docs, tokenizer, eos_id, seq_len):
+    carry: list[int] = []
+    rows = iter(docs)
+    while chunk := [row["text"] for row in itertools.islice(rows, 256)]:
+        sequences, carry = pack(encode(tokenizer, chunk), eos_id, seq_len, carry)
+        yield from sequences

@@ -1,0 +1,470 @@
+"""Continued pretraining of an R2LM checkpoint with DeepSpeed (DESIGN section 3).
+
+    deepspeed --num_gpus 8 train/pretrain.py --config configs/train/NAME.yaml [key=value ...]
+    torchrun --nproc_per_node 8 train/pretrain.py --config ...
+    python train/pretrain.py --config ...                  (one process)
+    scripts/launch_multinode.sh HOSTFILE --config ...       (several nodes)
+
+Overrides use dotted keys for nesting and YAML scalars for values: `lr=3e-4 data.streaming=true stop_at=100`.
+The DeepSpeed JSON (`deepspeed=`) chooses the ZeRO stage and communication settings; batch sizes, gradient
+clipping, precision, the optimizer (torch AdamW: nothing to compile) and the warmup + cosine schedule come from
+the training config, so one YAML describes the run.
+
+Run folder (`output_dir`): config.yaml (resolved config), train.log, metrics.jsonl (one line per step and per
+evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints, see train/checkpointing.py) and
+final/ (HF-format R2LM folder written at the end). With resume=auto a rerun continues from the newest complete
+checkpoint and reproduces the uninterrupted run's losses exactly (same world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script (deepspeed / torchrun / python train/pretrain.py)
+    sys.path.insert(0, str(REPO))
+
+from train.config import TrainConfig, keys_help, load_config  # noqa: E402  (light: no torch import)
+
+logger = logging.getLogger("train.pretrain")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or the gradient norm) became NaN or infinite: the run stops without writing a checkpoint."""
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_environment() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size). A plain `python` launch gets the variables a launcher would have set."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed would guess, without the warning
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks on one machine share its cores
+            local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    return rank, local_rank, world
+
+
+def setup_logging(rank: int, run_dir: Path | None) -> None:
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not any(getattr(h, "_r2lm", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(fmt)
+        handler._r2lm = True
+        root.addHandler(handler)
+    for handler in [h for h in root.handlers if getattr(h, "_r2lm_file", None)]:  # an earlier in-process run's
+        root.removeHandler(handler)
+        handler.close()
+    if run_dir is not None and rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(fmt)
+        file_handler._r2lm_file = str(run_dir)
+        root.addHandler(file_handler)
+    for noisy in ("deepspeed", "DeepSpeed", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+@dataclass
+class Plan:
+    """Everything validate() resolved: the run can start."""
+
+    model_config: object
+    tokenizer: object
+    ds_config: dict
+    resume_from: Path | None
+    source_dtype: str
+
+
+def resolve_path(value: str) -> Path:
+    path = Path(value).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    return REPO / path if (REPO / path).exists() else path
+
+
+def read_deepspeed_config(cfg: TrainConfig, use_bf16: bool) -> dict:
+    path = resolve_path(cfg.deepspeed)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config {cfg.deepspeed} does not exist")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"DeepSpeed config {path} has an {key!r} section: the optimizer and the LR schedule come "
+                             "from the training config (lr, warmup_steps, ...); remove it")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ValueError(f"DeepSpeed config {path} enables fp16, which diffusion losses overflow; use precision=bf16")
+    batch = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+             "gradient_clipping": cfg.grad_clip}
+    for key, value in batch.items():
+        if key in ds and ds[key] != value:
+            raise ValueError(f"DeepSpeed config {path} sets {key}={ds[key]} but the training config gives {value}; "
+                             "set it in the training config only")
+    ds.pop("train_batch_size", None)  # DeepSpeed derives it from the two above and the world size
+    ds.update(batch)
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": use_bf16}
+    ds["fp16"] = {"enabled": False}
+    ds.setdefault("steps_per_print", 10**9)  # progress is ours (tqdm + logging)
+    return ds
+
+
+def validate(cfg: TrainConfig) -> Plan:
+    """Every check that needs no process group: bad input fails here, before any work starts (ValueError)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from r2lm import R2LMConfig
+    from r2lm.diffusion import check_objective
+    from train.checkpointing import complete_checkpoints, read_state
+    from train.data import resolve_source
+
+    model_dir = resolve_path(cfg.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model {cfg.model} is not a checkpoint folder (no config.json); convert one with "
+                         "python -m convert from-hf")
+    try:
+        config = R2LMConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"model {cfg.model}: cannot read an R2LM config: {err}") from err
+    if getattr(config, "model_type", None) != "r2lm":
+        raise ValueError(f"model {cfg.model} is a {config.model_type!r} checkpoint; convert it with python -m convert from-hf")
+    if cfg.seq_len > config.max_position_embeddings:
+        raise ValueError(f"seq_len {cfg.seq_len} is above the model's max_position_embeddings {config.max_position_embeddings}")
+    check_objective(cfg.objective, config)
+    if cfg.objective == "block" and cfg.seq_len <= config.block_size:
+        raise ValueError(f"seq_len {cfg.seq_len} must exceed the block size {config.block_size} (block 0 is context only)")
+    if cfg.complementary and cfg.objective != "block":
+        raise ValueError("complementary masks exist for the block objective only")
+    if cfg.freeze_backbone and not config.sidecar_layers:
+        raise ValueError("freeze_backbone leaves nothing to train: the model has no sidecar_layers")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model {cfg.model} has no usable tokenizer: {err}") from err
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size} embeddings")
+
+    resolve_source(cfg.data.train, cfg.data.format, "data.train")
+    if cfg.data.heldout is not None:
+        resolve_source(cfg.data.heldout, cfg.data.format, "data.heldout")
+    if cfg.precision == "bf16" and not torch.cuda.is_available():
+        logger.warning("precision=bf16 on CPU: DeepSpeed supports it, but it is slow and not what CPU tests use")
+    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and torch.cuda.is_available())
+    ds_config = read_deepspeed_config(cfg, use_bf16)
+
+    ckpt_root = Path(cfg.output_dir) / "checkpoints"
+    resume_from = None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(ckpt_root)
+        resume_from = found[-1][1] if found else None
+    elif cfg.resume == "never":
+        if complete_checkpoints(ckpt_root):
+            raise ValueError(f"{ckpt_root} already holds checkpoints and resume=never: use resume=auto to continue "
+                             "that run, or a new output_dir")
+    else:
+        resume_from = Path(cfg.resume)
+        read_state(resume_from)  # raises when it is not a complete checkpoint
+    if resume_from is not None:
+        state = read_state(resume_from)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if state["world_size"] != world:
+            raise ValueError(
+                f"checkpoint {resume_from} was written by {state['world_size']} ranks but this run has {world}: exact "
+                "resume needs the same world size (export it with python -m convert deepspeed-to-hf and start a new run)"
+            )
+        if state["step"] >= cfg.steps:
+            raise ValueError(f"checkpoint {resume_from} is at step {state['step']}, the run has steps={cfg.steps}: nothing to do")
+    source_dtype = str(config.dtype).removeprefix("torch.") if config.dtype else "float32"
+    return Plan(config, tokenizer, ds_config, resume_from, source_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr for optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def noise_seed(*parts: int) -> int:
+    """A generator seed from integers (seed, step, micro-step, rank): the noise is replayed exactly on resume."""
+    import hashlib
+
+    digest = hashlib.sha256("/".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def param_groups(model, weight_decay: float):
+    """Trainable parameters; decay only matrices (norm weights, biases, gates and SSM A_log/D/dt_bias are 1-d)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
+    import deepspeed
+    import torch
+
+    from r2lm import R2LMForDiffusionLM
+
+    model = R2LMForDiffusionLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
+    if cfg.gradient_checkpointing:  # transformers 5 renamed it; keep working with either name
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    if cfg.freeze_backbone:
+        names = model.freeze_backbone()
+        logger.info("frozen backbone: training %d sidecar tensors", len(names))
+    model.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("model %s: %.2fM parameters, %.2fM trainable", model_dir, total / 1e6, trainable / 1e6)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+        fused=torch.cuda.is_available(),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=plan.ds_config)
+    return engine
+
+
+def evaluate(engine, data, cfg: TrainConfig, model_config, rank: int, dist) -> dict:
+    """The objective's loss on the held-out set with fixed noise: token-weighted over all ranks' batches."""
+    import torch
+
+    from r2lm.diffusion import compute_loss
+
+    options = _objective_options(cfg)
+    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for k, indices, weight in data.heldout.plan(rank):
+            x0 = data.heldout.batch(indices).to(engine.device)
+            generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.eval_seed, k, rank))
+            out = compute_loss(cfg.objective, engine, x0, separator_id=data.eos_id, generator=generator,
+                               config=model_config, **options)
+            totals += torch.tensor([float(out.loss) * out.tokens * weight, out.tokens * weight],
+                                   dtype=torch.float64, device=engine.device)
+    engine.train()
+    dist.all_reduce(totals)
+    return {"eval_loss": float(totals[0] / totals[1]), "eval_tokens": int(totals[1])}
+
+
+def _objective_options(cfg: TrainConfig) -> dict:
+    if cfg.objective == "ar":
+        return {}
+    options = {"eps": cfg.eps}
+    if cfg.objective == "block":
+        options["complementary"] = cfg.complementary
+    return options
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Result:
+    engine: object
+    step: int
+    run_dir: Path
+    last_checkpoint: Path | None
+    export_dir: Path | None
+
+
+def train(cfg: TrainConfig) -> Result:
+    """Run (or continue) the training described by `cfg`; collective across ranks."""
+    rank, local_rank, world = setup_environment()
+    run_dir = Path(cfg.output_dir)
+    setup_logging(rank, None)
+    plan = validate(cfg)  # bad input stops here, before the process group, the data or the model
+
+    import deepspeed
+    import torch
+    from deepspeed import comm as dist
+    from tqdm.auto import tqdm
+
+    from r2lm.diffusion import compute_loss
+    from train import checkpointing
+    from train.data import build_data, eos_id_of
+    from train.tracking import Tracker
+
+    deepspeed.init_distributed(verbose=False)
+    setup_logging(rank, run_dir)
+    torch.manual_seed(cfg.seed)
+    if rank == 0:
+        import yaml
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    model_dir = resolve_path(cfg.model)
+    eos_id = eos_id_of(plan.tokenizer, plan.model_config)
+    data = build_data(cfg, plan.tokenizer, eos_id, rank, world, first_on_node=local_rank == 0, barrier=dist.barrier)
+    engine = build_engine(cfg, plan, model_dir)
+    model_config = engine.module.config
+    ckpt_root = run_dir / "checkpoints"
+    export_dtype = plan.source_dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+
+    def write_extras(folder: Path) -> None:  # what an export needs beside the shards
+        config = type(model_config).from_dict(model_config.to_dict())
+        config.dtype = export_dtype
+        config.save_pretrained(folder)
+        plan.tokenizer.save_pretrained(folder)
+        if (model_dir / "generation_config.json").is_file():
+            (folder / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
+
+    start = 0
+    last_ckpt = plan.resume_from
+    if plan.resume_from is not None:
+        start = checkpointing.load(engine, plan.resume_from)["step"]
+        logger.info("resumed from %s at step %d", plan.resume_from, start)
+    end = cfg.stop_at or cfg.steps
+    tracker = Tracker(cfg, run_dir, rank, start)
+    options = _objective_options(cfg)
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+
+    def run_eval(step: int) -> None:
+        if data.heldout is None:
+            return
+        record = {"kind": "eval", "step": step, **evaluate(engine, data, cfg, model_config, rank, dist)}
+        tracker.log(record)
+        logger.info("step %d: held-out loss %.4f (%d tokens)", step, record["eval_loss"], record["eval_tokens"])
+
+    def state_at(step: int) -> dict:
+        return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed, "config": cfg.to_dict()}
+
+    if data.heldout is None:
+        logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
+    if start == 0 and cfg.eval_at_start:
+        run_eval(0)
+    progress = tqdm(total=end, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    engine.train()
+    step = start
+    try:
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+            for micro in range(cfg.grad_accum):
+                x0 = data.train(step, micro).to(engine.device)
+                generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.seed, step, micro, rank))
+                out = compute_loss(cfg.objective, engine, x0, separator_id=eos_id, generator=generator,
+                                   config=model_config, **options)
+                reduced = out.loss.detach().to(torch.float64).clone()
+                dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
+                if not torch.isfinite(reduced):
+                    raise NonFiniteLossError(
+                        f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro}): stopping without "
+                        f"saving; the last good checkpoint is {last_ckpt or 'none (no checkpoint was written)'}"
+                    )
+                loss_sum += reduced
+                engine.backward(out.loss)
+                engine.step()
+            elapsed = time.perf_counter() - t0
+            done = step + 1
+            grad_norm = engine.get_global_grad_norm()
+            if grad_norm is not None and not math.isfinite(float(grad_norm)):
+                # DeepSpeed skips such an update and would go on skipping every later one: stop like for the loss
+                raise NonFiniteLossError(
+                    f"non-finite gradient norm ({float(grad_norm)}) at step {done}: stopping without saving; the last "
+                    f"good checkpoint is {last_ckpt or 'none (no checkpoint was written)'}"
+                )
+            record = {
+                "kind": "train", "step": done, "loss": float(loss_sum) / (cfg.grad_accum * world),
+                "lr": cfg.lr * lr_factor(step, cfg), "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": done * tokens_per_step, "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+            }
+            tracker.log(record)
+            progress.update(1)
+            if done % cfg.log_every == 0 or done == end:
+                progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+                logger.info("step %d/%d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
+                            record["loss"], record["lr"], f"{record['grad_norm']:.3g}" if grad_norm is not None else "n/a",
+                            record["tokens_per_s"])
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                run_eval(done)
+            if (cfg.save_every and done % cfg.save_every == 0) or done == end:
+                last_ckpt = checkpointing.save(engine, ckpt_root, done, state_at(done), write_extras, rank,
+                                               dist.barrier, cfg.keep_checkpoints)
+        step = end
+    finally:
+        progress.close()
+        tracker.finish()
+
+    export_dir = None
+    if cfg.export and end == cfg.steps:
+        export_dir = run_dir / "final"
+        if rank == 0:
+            from convert.deepspeed_to_hf import export_deepspeed_checkpoint
+
+            export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True)
+        dist.barrier()
+    elif end < cfg.steps:
+        logger.info("stopped at step %d of %d (stop_at); rerun with resume=auto to continue", end, cfg.steps)
+    return Result(engine, step, run_dir, last_ckpt, export_dir)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train/pretrain.py", description=__doc__, epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="training config YAML (configs/train/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.train=corpus.txt")
+    # the deepspeed launcher passes --local_rank; the value is also in the LOCAL_RANK environment variable
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        train(cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as err:
+        logger.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
