@@ -18,7 +18,7 @@ step "2/5 base model: tiny transformers Qwen3 + BPE tokenizer"
 python scripts/make_tiny_base.py "$RUN/base" --text "$RUN/corpus/train.txt"
 
 step "3/5 convert to R2LM"
-python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --block-size 16
+python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16
 python - "$RUN/base" "$RUN/r2lm" <<'PY'
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,6 +36,6 @@ PY
 step "4/5 continued pretraining: deepspeed, 2 ranks, ZeRO-2, block diffusion"
 deepspeed --num_gpus 2 --master_port "${QUICKSTART_PORT:-29617}" train/pretrain.py --config configs/train/tiny_cpu.yaml
 
-step "5/5 generate from the trained model"
+step "5/5 generate from the trained model (a 1M-parameter model after a minute of training: expect babble)"
 python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7
 python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 --threshold 0.7
