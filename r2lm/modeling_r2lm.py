@@ -37,6 +37,7 @@ class AttentionPlan:
     earlier: torch.Tensor | None = None  # block-hybrid layers: linear part [B or 1, 1, T, T]
     valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
     commit: bool = False  # the input is appended to the cache
+    transfer: list | None = None  # attention transfer: hybrid layers append their MSE to the softmax teacher
 
 
 class R2LMDecoderLayer(GradientCheckpointingLayer):
@@ -65,10 +66,15 @@ class R2LMModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None, commit: bool = False):
+    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None, commit: bool = False,
+                transfer: list | None = None):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h, layout.positions)
         plan = self.plan(layout, cache, commit)
+        if transfer is not None:
+            if cache is not None:
+                raise ValueError("attention transfer runs on a full layout, without a cache")
+            plan.transfer, plan.mask, plan.is_causal = transfer, layout.attention_mask(self.config.attention), False
         windows = layout.windows if self.config.sidecar_layers else None
         for layer in self.layers:
             h = layer(h, cos, sin, plan, cache, windows)
@@ -218,6 +224,18 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         return generate(self, input_ids, attention_mask, **options)
 
     # ------------------------------------------------------------------ training helpers
+
+    def attention_transfer(self, input_ids, layout: Layout | None = None, attention_mask=None) -> torch.Tensor:
+        """Per-hybrid-layer MSE [len(hybrid_layers)] between each hybrid layer's attention output (per head, before
+        o_proj) and its own softmax attention over the same keys (stage 1 of LoLCATs / LLaDA-Hybrid). Every
+        layer passes the teacher's output on, so the losses are layer-local and errors do not compound."""
+        if not self.config.hybrid_layers:
+            raise ValueError("attention transfer needs hybrid_layers (python -m convert to-hybrid ...)")
+        if layout is None:
+            layout = Layout.span(_ones_if_none(attention_mask, input_ids))
+        transfer = []
+        self.model(input_ids, layout, transfer=transfer)
+        return torch.stack(transfer)
 
     def freeze_backbone(self) -> list[str]:
         """Train only the sidecars and their gates (R2LM's plug-in variant). Returns the trainable names."""

@@ -72,3 +72,26 @@ def test_padded_keys_contribute_nothing():
         layout = Layout.span(mask)
         full = model(padded, layout=layout).logits[:, 3:]
         torch.testing.assert_close(full, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_transfer_lowers_the_per_layer_mse():
+    """Stage 1: only feature maps and gates train, against each layer's own softmax attention."""
+    from r2lm import dual_stream
+
+    model = tiny_r2lm(attention="block_causal", hybrid_layers=[0, 2], hybrid_feature_dim=8).train()
+    trainable = [p for n, p in model.named_parameters() if ".linear_attention." in n]
+    model.requires_grad_(False)
+    for p in trainable:
+        p.requires_grad_(True)
+    x0 = torch.randint(0, MASK_ID, (4, 64), generator=torch.Generator().manual_seed(0))
+    xt = torch.where(torch.rand(x0.shape, generator=torch.Generator().manual_seed(1)) < 0.5, MASK_ID, x0)
+    inputs, layout, _ = dual_stream(x0, xt, 8, "inplace")
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    before = model.attention_transfer(inputs, layout).detach()
+    for _ in range(40):
+        optimizer.zero_grad()
+        model.attention_transfer(inputs, layout).sum().backward()
+        optimizer.step()
+    after = model.attention_transfer(inputs, layout).detach()
+    assert before.shape == (2,) and torch.all(after < 0.7 * before), (before, after)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".linear_attention." not in n)

@@ -54,8 +54,22 @@ class Attention(nn.Module):
             )
             if delta is not None:
                 cache.fold(self.layer_idx, *delta)
+            if plan.transfer is not None:  # the softmax teacher goes on; the hybrid student is only scored
+                with torch.no_grad():
+                    teacher = attention(q, k, v, plan.mask, self.scaling)
+                plan.transfer.append(_masked_mse(out, teacher, plan.valid))
+                out = teacher
         else:
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v)
             out = attention(q, k, v, plan.mask, self.scaling, is_causal=plan.is_causal)
         return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def _masked_mse(student, teacher, valid):
+    """Mean squared error over real positions ([B, H, T, d] outputs; valid [B, T] or None)."""
+    err = (student.float() - teacher.float()).pow(2)
+    if valid is None:
+        return err.mean()
+    keep = valid[:, None, :, None].to(err.dtype)
+    return (err * keep).sum() / (keep.sum() * err.shape[1] * err.shape[3]).clamp_min(1)
