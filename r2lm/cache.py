@@ -88,6 +88,43 @@ class KVCache:
         self.next_position += valid.sum(dim=1)
         self.length = end
 
+    def load(self, keys: list, values: list, states: list | None, length: int) -> None:
+        """Start an empty cache from `length` tokens of clean context computed elsewhere (a prefix cache hit):
+        keys/values per layer [B, Hkv, length, d] (None for hybrid layers), states per layer (S, Z) or None."""
+        if self.length:
+            raise ValueError("load() needs an empty cache")
+        self.check_room(length)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            if self.key[layer] is not None:
+                self.key[layer][:, :, :length] = k
+                self.value[layer][:, :, :length] = v
+            elif states is not None:
+                self.S[layer].copy_(states[layer][0])
+                self.Z[layer].copy_(states[layer][1])
+        self.valid[:, :length] = True
+        self.next_position += length
+        self.length = length
+
+    def states(self) -> list:
+        """A copy of every hybrid layer's (S, Z) (None for softmax layers): a checkpoint of the recurrent part."""
+        return [None if S is None else (S.clone(), Z.clone()) for S, Z in zip(self.S, self.Z)]
+
+    def place_row(self, row: int, source: KVCache) -> None:
+        """Copy the only row of `source` into `row`, right-aligned at this cache's length (left padding)."""
+        n, end = source.length, self.length
+        if n > end:
+            raise ValueError(f"a row of {n} tokens does not fit in {end} columns")
+        for layer in range(len(self.key)):
+            if self.key[layer] is not None:
+                self.key[layer][row, :, end - n : end] = source.key[layer][0, :, :n]
+                self.value[layer][row, :, end - n : end] = source.value[layer][0, :, :n]
+            else:
+                self.S[layer][row] = source.S[layer][0]
+                self.Z[layer][row] = source.Z[layer][0]
+        self.valid[row, :end] = False
+        self.valid[row, end - n : end] = source.valid[0, :n]
+        self.next_position[row] = source.next_position[0]
+
     def rewind(self, length: int) -> None:
         """Forget committed columns from `length` on (approximate caches recompute from a block start)."""
         if not 0 <= length <= self.length:

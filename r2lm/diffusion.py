@@ -90,14 +90,11 @@ def mdlm_loss(model, x0, attention_mask=None, separator_id=None, generator=None,
     return Loss((ce / p[masked]).sum() / max(n, 1), n, int(masked.sum()))
 
 
-def block_loss(
-    model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3, complementary=False
-) -> Loss:
-    """Block diffusion on the dual-stream layout: one t per (sample, block), masks i.i.d. inside the block.
+def block_noise(x0, config, attention_mask=None, separator_id=None, generator=None, eps=1e-3, complementary=False):
+    """The noise of the block objective: one t per (sample, block), masks i.i.d. inside the block.
 
-    With `complementary`, a second copy masks exactly the other tokens (t' = 1 - t) so every token of a noised
-    block gets a loss term in one of the two; its ELBO weight is 1 / (1 - p). p is then kept in [eps, 1 - eps]."""
-    config = config or model.config
+    Returns (eligible [B, L], copies): `copies` holds (masked [B, L], p [B, L]) once, or twice with
+    `complementary` (the second masks exactly the other eligible tokens, with p' = 1 - p). Block 0 is context."""
     b, (batch, length) = config.block_size, x0.shape
     if length <= b:
         raise ValueError(f"the block objective needs sequences longer than one block ({b}), got {length}")
@@ -113,10 +110,27 @@ def block_loss(
     copies = [(masked, p)]
     if complementary:
         copies.append((eligible & ~masked, 1 - p))
+    return eligible, copies
+
+
+def noised_dual_stream(x0, masked, config):
+    """x0 with the `masked` tokens replaced by [MASK], on the dual-stream layout: (input_ids, layout, target)."""
+    xt = torch.where(masked, torch.full_like(x0, config.mask_token_id), x0)
+    return dual_stream(x0, xt, config.block_size, config.prediction)
+
+
+def block_loss(
+    model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3, complementary=False
+) -> Loss:
+    """Block diffusion on the dual-stream layout: one t per (sample, block), masks i.i.d. inside the block.
+
+    With `complementary`, a second copy masks exactly the other tokens (t' = 1 - t) so every token of a noised
+    block gets a loss term in one of the two; its ELBO weight is 1 / (1 - p). p is then kept in [eps, 1 - eps]."""
+    config = config or model.config
+    eligible, copies = block_noise(x0, config, attention_mask, separator_id, generator, eps, complementary)
     total, n_masked = 0.0, 0
     for m, prob in copies:
-        xt = torch.where(m, torch.full_like(x0, config.mask_token_id), x0)
-        inputs, layout, target = dual_stream(x0, xt, b, config.prediction)
+        inputs, layout, target = noised_dual_stream(x0, m, config)
         cols = target >= 0
         # [B, W, V]: window column j predicts x0[target[j]]; the clean stream needs no logits
         logits = model(inputs, layout=layout, logits_to_keep=torch.nonzero(cols).flatten()).logits

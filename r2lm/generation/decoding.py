@@ -27,6 +27,7 @@ from r2lm.cache import KVCache
 from r2lm.generation.request import Request, make_request
 from r2lm.generation.sampling import propose, select
 from r2lm.layout import Layout
+from r2lm.prefix.prefill import prefill_rows
 
 
 @dataclass
@@ -70,9 +71,8 @@ def choose(logits: torch.Tensor, masked: torch.Tensor, r: Request):
 class CachedContext:
     """Committed tokens held as keys and values in one preallocated KVCache."""
 
-    def __init__(self, model, batch: int, max_length: int):
-        self.model = model
-        self.cache = KVCache(model.config, batch, max_length, model.dtype, model.device)
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache = model, cache
 
     def prefill(self, ids, mask):
         self.model.prefill(ids, self.cache, attention_mask=mask)
@@ -121,18 +121,33 @@ def decode_blocks(model, r: Request) -> GenerateOutput:
     batch, prompt_len = ids.shape
     n_new, b, mask_id = r.max_new_tokens, r.block_size, r.mask_id
     shift = model.config.prediction == "shift"
-    if r.use_cache:
-        context = CachedContext(model, batch, prompt_len + n_new)
-    else:
-        context = RecomputedContext(model, batch, ids.device)
     fuse = r.use_cache and shift and not sidecars_active(model)
     nfe = steps = 0
-
     opener = ids[:, -1:] if shift else None  # shift: the last prompt token opens the first window
     head, head_mask = (ids[:, :-1], mask[:, :-1]) if shift else (ids, mask)
-    if head.shape[1]:
+    pinned = []
+    if r.prefix_cache is not None:  # rows resume from their cached prefixes
+        rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask)]
+        cache, pinned, nfe = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + n_new)
+        context = CachedContext(model, cache)
+    elif r.use_cache:
+        context = CachedContext(model, KVCache(model.config, batch, prompt_len + n_new, model.dtype, model.device))
+    else:
+        context = RecomputedContext(model, batch, ids.device)
+    if r.prefix_cache is None and head.shape[1]:
         context.prefill(head, head_mask)
         nfe += r.use_cache
+    try:
+        return _decode(model, r, context, opener, fuse, nfe, steps)
+    finally:
+        if r.prefix_cache is not None:
+            r.prefix_cache.release(pinned)
+
+
+def _decode(model, r: Request, context, opener, fuse: bool, nfe: int, steps: int) -> GenerateOutput:
+    ids = r.input_ids
+    batch, n_new, b, mask_id = ids.shape[0], r.max_new_tokens, r.block_size, r.mask_id
+    shift = opener is not None
     out = torch.full((batch, n_new), mask_id, dtype=ids.dtype, device=ids.device)
     stopper = r.stopper
     stopper.stream(ids)

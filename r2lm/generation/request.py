@@ -92,6 +92,7 @@ class Request:
     pad_id: int
     use_cache: bool
     approximate_cache: str | None
+    prefix_cache: object | None
     stopper: Stopper
 
 
@@ -122,6 +123,7 @@ def make_request(
     streamer=None,
     use_cache: bool = True,
     approximate_cache: str | None = None,
+    prefix_cache=None,
 ) -> Request:
     """Check every argument (ValueError naming the problem) and fill defaults from the model's config."""
     config = model.config
@@ -186,6 +188,9 @@ def make_request(
     if approximate_cache and config.attention != "bidirectional":
         raise ValueError("approximate_cache is for bidirectional models; causal and block_causal models have an exact cache")
 
+    if prefix_cache is not None and (not use_cache or config.attention == "bidirectional"):
+        raise ValueError("prefix_cache reuses exact keys: it needs use_cache=True and a causal or block_causal model")
+
     eos = _as_list(config.eos_token_id if eos_token_id is None else eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else config.pad_token_id
     if pad_id is None:
@@ -195,5 +200,5 @@ def make_request(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, block_size=block_size,
         threshold=threshold, factor=factor, tokens_per_step=tokens_per_step, confidence=confidence,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id, pad_id=pad_id,
-        use_cache=use_cache, approximate_cache=approximate_cache, stopper=stopper,
+        use_cache=use_cache, approximate_cache=approximate_cache, prefix_cache=prefix_cache, stopper=stopper,
     )

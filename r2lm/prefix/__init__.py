@@ -1,6 +1,8 @@
-"""Cross-request prefix reuse: which blocks to keep (eviction) and where to keep recurrent-state checkpoints
-along a cached sequence (placement). See notes/prefix_caching.md sections 2 and 3."""
+"""Cross-request prefix reuse: the block store (PrefixCache, used as generate(..., prefix_cache=...)), which
+blocks to keep (eviction) and where to keep recurrent-state checkpoints along a cached sequence (placement).
+See notes/prefix_caching.md sections 2 and 3."""
 
+from r2lm.prefix.cache import PrefixCache
 from r2lm.prefix.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from r2lm.prefix.placement import (
     DepthHistogram,
@@ -15,6 +17,7 @@ from r2lm.prefix.placement import (
 )
 
 __all__ = [
+    "PrefixCache",
     "ARCPolicy",
     "DepthHistogram",
     "EvictionPolicy",

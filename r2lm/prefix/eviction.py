@@ -17,11 +17,12 @@ store's job: it calls victim() while full, before admit().
 from __future__ import annotations
 
 import numbers
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
 
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     """Recency bookkeeping over resident block keys; subclasses implement every method below."""
 
     def __init__(self, capacity: int):
@@ -29,31 +30,37 @@ class EvictionPolicy:
             raise ValueError(f"an eviction policy needs an integer capacity >= 1 (in blocks), got {capacity!r}")
         self.capacity = int(capacity)
 
+    @abstractmethod
     def admit(self, key: Hashable) -> None:
         """`key` became resident (admitting a resident key counts as a hit)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def touch(self, keys: list) -> None:
         """A request hit these resident blocks, given root first. Applied deepest first, so that ancestors
         end more recent than their descendants and a chain is evicted from its tail."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def victim(self, evictable: Callable[[Hashable], bool], incoming: Hashable | None = None):
         """Pick the block to evict now among resident keys with `evictable(key)` True, scanning from the
         least recently used end, and record the eviction (the key stops being resident). Returns None, with
         no state change, when nothing is evictable. `incoming`, if given, is the key about to be admitted:
         ARC uses it to apply the paper's order (adapt p on a ghost hit, then replace)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def forget(self, key: Hashable) -> None:
         """Drop `key` everywhere (no ghost entry); a no-op for unknown keys."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def __contains__(self, key) -> bool:  # resident?
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def __len__(self) -> int:  # resident count
-        raise NotImplementedError
+        ...
 
 
 _NOBODY = object()  # a sentinel no block key can equal

@@ -1,0 +1,216 @@
+"""PrefixCache: clean-context keys and values shared across requests (DESIGN section 5, issue "prefix reuse").
+
+Token blocks of `block_tokens` form a tree keyed by chained hashes of (parent key, block tokens), as in vLLM;
+a hit compares the stored tokens too, so a hash collision is a miss, never a wrong answer. Each block holds the
+keys and values of its tokens for every softmax layer, computed as clean context (exact: a committed token's
+K/V depend only on tokens to its left and in its chunk). Block-hybrid layers have no per-token keys: their
+(S, Z) state is kept as sparse checkpoints at positions chosen by the exact dynamic program over the observed
+distribution of match depths (r2lm.prefix.placement); a hit resumes from the deepest checkpoint it reaches and
+recomputes the rest exactly.
+
+Blocks in use by a running request are pinned by reference counts; only unpinned leaves (no cached children)
+can be evicted, in the order of an LRU or ARC policy (r2lm.prefix.eviction).
+
+Where chunks matter (block_causal attention, block-hybrid layers) a token's keys depend on its whole chunk, so
+reuse stops at the last chunk boundary a match reaches and only complete chunks are stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from r2lm.cache import cache_signature
+from r2lm.prefix.eviction import make_policy
+from r2lm.prefix.placement import DepthHistogram, place_checkpoints
+
+
+@dataclass(eq=False)
+class Block:
+    key: int
+    parent: int | None
+    tokens: tuple
+    keys: list  # per layer [Hkv, block_tokens, head_dim], None for hybrid layers
+    values: list
+    checkpoints: dict = field(default_factory=dict)  # position -> per-layer (S, Z) (None for softmax layers)
+    refs: int = 0
+    children: int = 0
+
+
+@dataclass
+class Stats:
+    lookups: int = 0  # prompts looked up
+    hits: int = 0  # prompts that reused at least one token
+    lookup_tokens: int = 0  # tokens looked up
+    hit_tokens: int = 0  # tokens served from the cache (reused, not recomputed)
+    inserted: int = 0  # blocks stored
+    evictions: int = 0
+    collisions: int = 0  # hash matches whose stored tokens differed
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of looked-up tokens served from the cache."""
+        return self.hit_tokens / max(self.lookup_tokens, 1)
+
+
+class PrefixCache:
+    def __init__(self, capacity_tokens: int, block_tokens: int = 16, policy: str = "arc", checkpoints: int = 4,
+                 max_depth: int = 8192):
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        if capacity_tokens < block_tokens:
+            raise ValueError(f"capacity_tokens {capacity_tokens} is below one block of {block_tokens} tokens")
+        self.block_tokens = block_tokens
+        self.capacity = capacity_tokens // block_tokens  # in blocks
+        self.policy = make_policy(policy, self.capacity)
+        self.checkpoints_per_sequence = checkpoints
+        self.depths = DepthHistogram(max_depth)
+        self.blocks: dict[int, Block] = {}
+        self.stats = Stats()
+        self.signature = None
+
+    # ------------------------------------------------------------------ the model it serves
+
+    def bind(self, model) -> None:
+        """Tie the cache to one model configuration; another model's requests are refused."""
+        config = model.config
+        signature = (cache_signature(config), config.attention, config.prediction, config.block_size,
+                     config.vocab_size, config.hidden_size)
+        if self.signature is None:
+            if self._chunked(config) and config.block_size % self.block_tokens:
+                raise ValueError(
+                    f"block_tokens {self.block_tokens} must divide the model's block_size {config.block_size}: its "
+                    "prompts are committed block by block, and cached keys are only reusable up to a block boundary"
+                )
+            self.signature = signature
+        elif signature != self.signature:
+            raise ValueError("this PrefixCache holds keys of a model with a different configuration")
+
+    @staticmethod
+    def _chunked(config) -> bool:
+        return config.attention == "block_causal" or bool(config.hybrid_layers)
+
+    def boundary(self, config, n: int) -> int:
+        """The deepest prefix length <= n whose keys do not depend on later tokens."""
+        if not self._chunked(config):
+            return n
+        b, offset = config.block_size, int(config.prediction == "shift")
+        k = (n + offset) // b
+        return k * b - offset if k > 0 else 0
+
+    # ------------------------------------------------------------------ lookup
+
+    def _hash(self, parent: int | None, tokens: tuple) -> int:
+        return hash((parent, tokens))
+
+    def match(self, tokens: list[int]) -> list[Block]:
+        """The cached blocks covering the longest prefix of `tokens` made of full blocks (tokens compared)."""
+        found, parent, bt = [], None, self.block_tokens
+        for start in range(0, len(tokens) - bt + 1, bt):
+            piece = tuple(tokens[start : start + bt])
+            block = self.blocks.get(self._hash(parent, piece))
+            if block is None:
+                break
+            if block.tokens != piece or block.parent != parent:
+                self.stats.collisions += 1
+                break
+            found.append(block)
+            parent = block.key
+        return found
+
+    def lookup(self, config, tokens: list[int]):
+        """(blocks to pin, reusable length n, per-layer hybrid state at n or None) for one prompt."""
+        blocks = self.match(tokens)
+        matched = len(blocks) * self.block_tokens
+        self.depths.observe(matched)
+        n = self.boundary(config, min(matched, len(tokens)))
+        state = None
+        if config.hybrid_layers:  # resume from the deepest checkpoint at or below n
+            points = {q: s for block in blocks for q, s in block.checkpoints.items() if q <= n}
+            n = max(points, default=0)
+            state = points.get(n)
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(tokens)
+        self.stats.hit_tokens += n
+        self.stats.hits += n > 0
+        used = blocks[: -(-n // self.block_tokens)] if n else []
+        self.pin(used)
+        return used, n, state
+
+    def pin(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            block.refs += 1
+        if blocks:
+            self.policy.touch([b.key for b in blocks])
+
+    def release(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            block.refs -= 1
+
+    # ------------------------------------------------------------------ insertion
+
+    def checkpoint_positions(self, config, start: int, end: int) -> list[int]:
+        """Where to keep hybrid-layer states along a new sequence: the DP's choice among chunk boundaries in
+        (start, end], under the observed distribution of match depths and a linear recompute cost."""
+        if not config.hybrid_layers or end <= start:
+            return []
+        candidates = sorted({self.boundary(config, q) for q in range(start + 1, end + 1)} - {0})
+        candidates = [q for q in candidates if start < q <= end]
+        if not candidates:
+            return []
+        return list(place_checkpoints(candidates, lambda t: t, self.depths.survival, self.checkpoints_per_sequence).positions)
+
+    def insert(self, config, tokens: list[int], keys: list, values: list, states: dict) -> None:
+        """Store the blocks of `tokens` not cached yet. keys/values: per layer [Hkv, len, d] (None for hybrid
+        layers) of the first len(tokens) tokens; states: position -> per-layer (S, Z) checkpoints."""
+        bt, usable = self.block_tokens, self.boundary(config, len(tokens))
+        parent, chain = None, []  # the chain is pinned while it grows: making room must not evict its own parent
+        try:
+            for start in range(0, usable - bt + 1, bt):
+                piece = tuple(tokens[start : start + bt])
+                key = self._hash(parent, piece)
+                block = self.blocks.get(key)
+                if block is not None and (block.tokens != piece or block.parent != parent):
+                    self.stats.collisions += 1
+                    break  # another prefix owns this key: keep the first, cache nothing below
+                if block is None:
+                    if not self._make_room(key):
+                        break
+                    block = Block(
+                        key, parent, piece,
+                        [None if k is None else k[:, start : start + bt].clone() for k in keys],
+                        [None if v is None else v[:, start : start + bt].clone() for v in values],
+                    )
+                    self.blocks[key] = block
+                    self.policy.admit(key)
+                    if parent is not None:
+                        self.blocks[parent].children += 1
+                    self.stats.inserted += 1
+                block.refs += 1
+                chain.append(block)
+                for q, state in states.items():
+                    if start < q <= start + bt:
+                        block.checkpoints.setdefault(q, state)
+                parent = key
+        finally:
+            self.release(chain)
+
+    def _make_room(self, incoming: int) -> bool:
+        while len(self.policy) >= self.capacity:
+            victim = self.policy.victim(self._evictable, incoming=incoming)
+            if victim is None:
+                return False  # everything is pinned or interior: do not cache
+            block = self.blocks.pop(victim)
+            if block.parent is not None:
+                self.blocks[block.parent].children -= 1
+            self.stats.evictions += 1
+        return True
+
+    def _evictable(self, key) -> bool:
+        block = self.blocks[key]
+        return block.refs == 0 and block.children == 0
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self.blocks)
