@@ -120,6 +120,25 @@ def run_to_hybrid(args) -> None:
     convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim, overwrite=args.overwrite)
 
 
+def add_to_hf(sub) -> None:
+    p = sub.add_parser(
+        "to-hf",
+        help="R2LM checkpoint without extra layers -> transformers Qwen3 / Qwen2 / Llama checkpoint",
+        description="Export the backbone of a causal R2LM checkpoint that has no sidecar or hybrid layers as the "
+        "transformers model it is (Qwen3 with qk_norm, Qwen2 with q/k/v bias, otherwise Llama).",
+    )
+    p.add_argument("src", help="R2LM checkpoint folder")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(run=run_to_hf)
+
+
+def run_to_hf(args) -> None:
+    from convert.to_hf import convert_to_hf
+
+    convert_to_hf(args.src, args.dst, overwrite=args.overwrite)
+
+
 def add_importers(sub) -> None:
     """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
     from convert.importers import add_parsers
@@ -134,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_from_hf(sub)
     add_deepspeed_to_hf(sub)
     add_to_hybrid(sub)
+    add_to_hf(sub)
     add_importers(sub)
     return parser
 

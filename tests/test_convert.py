@@ -123,3 +123,34 @@ def test_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--sidecar-layers", "--mask-token", "--d-state", "--overwrite"):
         assert option in result.stdout
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_to_hf_round_trip(arch, tmp_path):
+    """from-hf then to-hf gives back a transformers model with the same logits (an R2LM without extra layers is
+    its backbone); the mask row added by from-hf stays in the vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_hf_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "r2lm")
+    assert main(["to-hf", str(tmp_path / "r2lm"), str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.model_type == arch
+    ids = torch.randint(0, 96, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits[..., :96], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_to_hf_refuses_extra_layers(tmp_path):
+    from conftest import tiny_r2lm
+
+    tiny_r2lm(sidecar_layers=[1]).save_pretrained(tmp_path / "r2lm")
+    with pytest.raises(ValueError, match="no transformers counterpart"):
+        from convert.to_hf import convert_to_hf
+
+        convert_to_hf(tmp_path / "r2lm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,86 @@
+"""R2LM checkpoint without extra layers -> a transformers Qwen3 / Qwen2 / Llama checkpoint (DESIGN section 1:
+such an R2LM *is* its backbone, parameter for parameter).
+
+Useful to hand an AR-pretrained backbone to tools that only know transformers, or to start new conversions from
+it. Sidecars and block-hybrid layers have no transformers counterpart, and a transformers causal LM cannot run
+block_causal or bidirectional attention: those checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config
+from r2lm import R2LMForDiffusionLM
+
+logger = logging.getLogger(__name__)
+
+
+def architecture_of(config) -> str:
+    """Which transformers family reproduces this backbone exactly."""
+    if config.qk_norm:
+        if config.attention_bias != config.o_proj_bias or config.mlp_bias:
+            raise ValueError("a qk_norm backbone with these biases has no transformers counterpart")
+        return "qwen3"
+    if config.attention_bias and not config.o_proj_bias and not config.mlp_bias:
+        return "qwen2"
+    if config.attention_bias == config.o_proj_bias:
+        return "llama"
+    raise ValueError("these attention biases match none of Qwen3, Qwen2 or Llama")
+
+
+def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    if read_config(src).get("model_type") != "r2lm":
+        raise ValueError(f"{src} is not an R2LM checkpoint")
+    model = R2LMForDiffusionLM.from_pretrained(src)
+    config = model.config
+    if config.sidecar_layers or config.hybrid_layers:
+        raise ValueError("sidecar and block-hybrid layers have no transformers counterpart; export a backbone without them")
+    if config.attention != "causal":
+        raise ValueError(f"a transformers causal LM cannot run {config.attention!r} attention")
+    arch = architecture_of(config)
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings, initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters=dict(config.rope_parameters),
+        tie_word_embeddings=config.tie_word_embeddings, pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+    )
+    if arch == "qwen3":
+        hf = Qwen3ForCausalLM(Qwen3Config(head_dim=config.head_dim, attention_bias=config.attention_bias, **fields))
+    elif arch == "qwen2":
+        if config.head_dim * config.num_attention_heads != config.hidden_size:
+            raise ValueError("Qwen2 derives head_dim from hidden_size / heads; this backbone's head_dim differs")
+        hf = Qwen2ForCausalLM(Qwen2Config(**fields))
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(head_dim=config.head_dim, attention_bias=config.attention_bias,
+                                          mlp_bias=config.mlp_bias, **fields))
+    hf = hf.to(model.dtype)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"state dict does not map onto {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    with atomic_output_dir(dst, overwrite) as tmp:
+        hf.save_pretrained(tmp)
+        if has_tokenizer(src):
+            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    logger.info("exported the %s backbone of %s (%d parameters)", arch, src, sum(p.numel() for p in hf.parameters()))
+    return dst
