@@ -1,19 +1,24 @@
 """Decoding throughput: AR vs bidirectional dLLM (no cache, approximate dual cache) vs R2LM (exact cache).
 
-    python eval/throughput.py --model runs/quickstart/tiny_cpu/final [--bidirectional-model PATH] [--out DIR]
+    python eval/throughput.py --model R2LM_CKPT [--ar AR_CKPT] [--bidirectional BIDIR_CKPT] [--causal CKPT] [--out DIR]
 
 One run, the same prompts (real held-out text) for every variant, at every batch size x prompt length:
 
-    ar        block size 1 with the KV cache: one forward per token (sidecars closed, i.e. the backbone)
+    ar        block size 1 with the KV cache: one forward per token
     bidir     bidirectional attention, no cache: the whole canvas every step (LLaDA)
     bidir+dc  bidirectional, Fast-dLLM's approximate dual cache
     r2lm      the R2LM checkpoint, exact KV cache, threshold decoding
+    causal    (with --causal) a causal dLLM without sidecars, exact KV cache
 
-Without --bidirectional-model the bidirectional variants reuse the R2LM backbone weights with attention switched
-to bidirectional: their speed per step is right, their tokens per step are not those of a trained bidirectional
-dLLM. Parallel decoding only means something on a trained model; give trained checkpoints.
+Without --ar the AR variant is the R2LM's backbone (sidecars removed); without --bidirectional the bidirectional
+variants reuse that backbone with attention switched to bidirectional: their speed per step is right, their
+tokens per step are not those of a trained bidirectional dLLM. Parallel decoding only means something on
+trained models; give trained checkpoints.
 
-Prints a table, writes results.json and throughput.png to --out.
+Each generation is set up for --new-tokens (the canvas a bidirectional model re-encodes is prompt + new tokens)
+and timed from the call to the moment --measure-tokens tokens per row are committed (prefill included), then
+stopped: the no-cache baseline at batch 32 x 2048 would otherwise take hours on a CPU. tokens/s counts the
+committed tokens of all rows. Prints a table, writes results.json and throughput.png to --out.
 """
 
 from __future__ import annotations
@@ -32,21 +37,52 @@ from transformers import AutoTokenizer
 from r2lm import R2LMForDiffusionLM, generate
 
 logger = logging.getLogger("eval.throughput")
-VARIANTS = ("ar", "bidir", "bidir+dc", "r2lm")
+VARIANTS = ("ar", "bidir", "bidir+dc", "r2lm", "causal")
 
 
-def load_variants(model_dir: str, bidirectional_dir: str | None) -> dict:
-    r2lm = R2LMForDiffusionLM.from_pretrained(model_dir).eval()
-    ar = copy.deepcopy(r2lm)
-    for layer in ar.model.layers:  # the backbone alone: AR decoding is exact only without active sidecars
-        layer.sidecar = None
-    ar.config.sidecar_layers = []
-    if bidirectional_dir:
-        bidir = R2LMForDiffusionLM.from_pretrained(bidirectional_dir).eval()
+def load(path: str) -> R2LMForDiffusionLM:
+    return R2LMForDiffusionLM.from_pretrained(path).eval()
+
+
+def load_variants(args) -> dict:
+    r2lm = load(args.model)
+    if args.ar:
+        ar = load(args.ar)
+    else:
+        ar = copy.deepcopy(r2lm)
+        for layer in ar.model.layers:  # the backbone alone: AR decoding is exact only without active sidecars
+            layer.sidecar = None
+        ar.config.sidecar_layers = []
+    if args.bidirectional:
+        bidir = load(args.bidirectional)
     else:
         bidir = copy.deepcopy(ar)
         bidir.config.attention = "bidirectional"
-    return {"ar": ar, "bidir": bidir, "bidir+dc": bidir, "r2lm": r2lm}
+    models = {"ar": ar, "bidir": bidir, "bidir+dc": bidir, "r2lm": r2lm}
+    if args.causal:
+        models["causal"] = load(args.causal)
+    return models
+
+
+class StopAfter:
+    """A streamer that notes when every row has `tokens` committed tokens, then ends the generation."""
+
+    class Enough(Exception):
+        pass
+
+    def __init__(self, tokens: int):
+        self.tokens, self.seen, self.first = tokens, 0, True
+
+    def put(self, value):
+        if self.first:  # the prompt comes first, as with transformers' generate
+            self.first = False
+            return
+        self.seen += value.shape[-1]
+        if self.seen >= self.tokens:
+            raise StopAfter.Enough
+
+    def end(self):
+        pass
 
 
 def variant_options(name: str, args) -> dict:
@@ -58,24 +94,41 @@ def variant_options(name: str, args) -> dict:
     return options
 
 
+def read_text(path: Path) -> str:
+    """A text file, or the "text" fields of a .jsonl file, as one string."""
+    if path.suffix == ".jsonl":
+        return "\n\n".join(json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines())
+    return path.read_text(encoding="utf-8")
+
+
 def make_prompts(tokenizer, text_file: Path, batch: int, length: int) -> torch.Tensor:
     """`batch` prompts of exactly `length` tokens, cut from consecutive stretches of real text."""
-    ids = tokenizer(text_file.read_text(), return_tensors="pt").input_ids[0]
+    ids = tokenizer(read_text(text_file), return_tensors="pt").input_ids[0]
     need = batch * length
     if ids.numel() < need:
         ids = ids.repeat(need // ids.numel() + 1)
     return ids[:need].view(batch, length)
 
 
-def run_one(model, prompts, new_tokens: int, options: dict, repeats: int) -> dict:
-    times, out = [], None
-    for _ in range(repeats):
+def run_one(model, prompts, args, options: dict) -> dict:
+    """Median over --repeats of the time to commit --measure-tokens tokens per row; nfe and tokens per step
+    come from one full (untimed) generation of the same request."""
+    times = []
+    for _ in range(args.repeats):
+        streamer = StopAfter(args.measure_tokens)
         start = time.perf_counter()
-        out = generate(model, prompts, max_new_tokens=new_tokens, eos_token_id=[], **options)
+        try:
+            generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], streamer=streamer, **options)
+        except StopAfter.Enough:
+            pass
         times.append(time.perf_counter() - start)
+        committed = streamer.seen
     seconds = sorted(times)[len(times) // 2]
-    return {"seconds": seconds, "tokens_per_s": out.new_tokens / seconds, "nfe": out.nfe,
-            "tokens_per_step": out.tokens_per_step, "new_tokens": out.new_tokens}
+    row = {"seconds": seconds, "tokens_per_s": prompts.shape[0] * committed / seconds, "measured_tokens": committed}
+    if args.full_stats:
+        out = generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **options)
+        row.update(nfe=out.nfe, tokens_per_step=out.tokens_per_step)
+    return row
 
 
 def plot(results: list[dict], path: Path, batches, lengths) -> None:
@@ -85,8 +138,9 @@ def plot(results: list[dict], path: Path, batches, lengths) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    present = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
     for ax, batch in zip(axes[0], batches):
-        for name in VARIANTS:
+        for name in present:
             ys = [next((r["tokens_per_s"] for r in results if r["variant"] == name and r["batch"] == batch
                         and r["prompt"] == length), float("nan")) for length in lengths]
             ax.plot(lengths, ys, marker="o", label=name)
@@ -101,23 +155,30 @@ def plot(results: list[dict], path: Path, batches, lengths) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="trained R2LM checkpoint (model + tokenizer)")
-    parser.add_argument("--bidirectional-model", help="trained bidirectional checkpoint of the same backbone")
+    parser.add_argument("--ar", help="trained AR checkpoint of the same backbone (default: the R2LM's backbone)")
+    parser.add_argument("--bidirectional", help="trained bidirectional checkpoint of the same backbone")
+    parser.add_argument("--causal", help="trained causal dLLM checkpoint (no sidecars): an extra variant")
     parser.add_argument("--text", type=Path, default=Path("runs/quickstart/corpus/heldout.txt"), help="prompt text")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256, help="generation length each request is set up for")
+    parser.add_argument("--measure-tokens", type=int, default=32, help="committed tokens per row to time")
+    parser.add_argument("--full-stats", action="store_true", help="also run each generation to the end for nfe and tokens/step (slow)")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median), after one warmup")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all available")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("runs/throughput"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
-
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    models = load_variants(args.model, args.bidirectional_model)
+    models = load_variants(args)
+    args.variants = args.variants or [v for v in VARIANTS if v in models]
     warm = make_prompts(tokenizer, args.text, 1, 16)
     for name in args.variants:  # first-call costs (allocator, kernels) out of the measurements
         generate(models[name], warm, max_new_tokens=8, eos_token_id=[], **variant_options(name, args))
@@ -126,7 +187,7 @@ def main() -> None:
     results = []
     for batch, length, name in tqdm(cells, desc="throughput"):
         prompts = make_prompts(tokenizer, args.text, batch, length)
-        row = run_one(models[name], prompts, args.new_tokens, variant_options(name, args), args.repeats)
+        row = run_one(models[name], prompts, args, variant_options(name, args))
         results.append({"variant": name, "batch": batch, "prompt": length, **row})
         logger.info("%s batch %d prompt %d: %.1f tokens/s", name, batch, length, row["tokens_per_s"])
 
@@ -134,14 +195,15 @@ def main() -> None:
         return next(r["tokens_per_s"] for r in results if (r["variant"], r["batch"], r["prompt"]) == (name, batch, length))
 
     print(f"\n{'batch':>5} {'prompt':>6} {'variant':>9} {'tok/s':>9} {'nfe':>6} {'tok/step':>8} {'x bidir':>8} {'x ar':>6}")
+    blank = float("nan")
     for r in results:
         vs = {other: r["tokens_per_s"] / speed(other, r["batch"], r["prompt"]) if other in args.variants else float("nan")
               for other in ("bidir", "ar")}
         r["speedup_vs_bidir"], r["speedup_vs_ar"] = vs["bidir"], vs["ar"]
-        print(f"{r['batch']:>5} {r['prompt']:>6} {r['variant']:>9} {r['tokens_per_s']:>9.1f} {r['nfe']:>6} "
-              f"{r['tokens_per_step']:>8.2f} {vs['bidir']:>8.2f} {vs['ar']:>6.2f}")
+        print(f"{r['batch']:>5} {r['prompt']:>6} {r['variant']:>9} {r['tokens_per_s']:>9.1f} {r.get('nfe', blank):>6} "
+              f"{r.get('tokens_per_step', blank):>8.2f} {vs['bidir']:>8.2f} {vs['ar']:>6.2f}")
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    meta["bidirectional_weights"] = "trained" if args.bidirectional_model else "R2LM backbone, attention switched"
+    meta["bidirectional_weights"] = "trained" if args.bidirectional else "R2LM backbone, attention switched"
     (args.out / "results.json").write_text(json.dumps({"settings": meta, "results": results}, indent=2))
     plot(results, args.out / "throughput.png", args.batch_sizes, args.prompt_lengths)
     print(f"\nwrote {args.out / 'results.json'} and {args.out / 'throughput.png'}")
