@@ -112,3 +112,17 @@ def test_bad_input():
         generate(block_causal, torch.tensor([[5, 6, 7]]), max_new_tokens=4, prefix_cache=cache)
     with pytest.raises(ValueError, match="prefix_cache reuses exact keys"):
         generate(peaky(**KINDS["r2lm"]), torch.tensor([[5, 6, 7]]), max_new_tokens=4, prefix_cache=cache, use_cache=False)
+
+
+def test_every_chosen_checkpoint_is_stored():
+    """The placement only offers positions whose block insert() keeps, and counts savings from the resume point."""
+    model = peaky(**KINDS["r2lm+hybrid"])  # shift, block_size 8: chunk boundaries at 7, 15, 23, ...
+    cache = PrefixCache(4096, block_tokens=4, checkpoints=3)
+    cache.bind(model)
+    for start, end in [(0, 39), (7, 39), (15, 31)]:
+        chosen = cache.checkpoint_positions(model.config, start, end)
+        assert chosen and all(start < q <= end and (q + 1) % 8 == 0 and -(-q // 4) * 4 <= end for q in chosen)
+    prompt = workload(docs=1, questions=1)[0]
+    generate(model, prompt[None], max_new_tokens=4, block_size=8, prefix_cache=cache)
+    stored = {q for block in cache.blocks.values() for q in block.checkpoints}
+    assert len(stored) == 3 and all((q + 1) % 8 == 0 for q in stored)  # the whole budget was kept

@@ -1,7 +1,9 @@
 """Cross-request prefix reuse: the block store (PrefixCache, used as generate(..., prefix_cache=...)), which
 blocks to keep (eviction) and where to keep recurrent-state checkpoints along a cached sequence (placement).
-See notes/prefix_caching.md sections 2 and 3."""
+See notes/prefix_caching.md sections 2 and 3. BiCache (section 1) is the separate, APPROXIMATE shallow-layer reuse of
+a shared prefix for bidirectional models."""
 
+from r2lm.prefix.bicache import BiCache, SafeDepthTable, prefix_ratio, profile
 from r2lm.prefix.cache import PrefixCache
 from r2lm.prefix.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from r2lm.prefix.placement import (
@@ -18,6 +20,10 @@ from r2lm.prefix.placement import (
 
 __all__ = [
     "PrefixCache",
+    "BiCache",
+    "SafeDepthTable",
+    "prefix_ratio",
+    "profile",
     "ARCPolicy",
     "DepthHistogram",
     "EvictionPolicy",

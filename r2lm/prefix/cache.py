@@ -17,6 +17,7 @@ reuse stops at the last chunk boundary a match reaches and only complete chunks 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +57,7 @@ class Stats:
 
 class PrefixCache:
     def __init__(self, capacity_tokens: int, block_tokens: int = 16, policy: str = "arc", checkpoints: int = 4,
-                 max_depth: int = 8192):
+                 max_depth: int = 8192, max_roots: int = 1024):
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         if capacity_tokens < block_tokens:
@@ -65,7 +66,12 @@ class PrefixCache:
         self.capacity = capacity_tokens // block_tokens  # in blocks
         self.policy = make_policy(policy, self.capacity)
         self.checkpoints_per_sequence = checkpoints
-        self.depths = DepthHistogram(max_depth)
+        # Match depths, in blocks (a match is a whole number of blocks): of every lookup, and per first block,
+        # i.e. per cached entry, for the most recently seen `max_roots` entries.
+        self.max_blocks = max_depth // block_tokens
+        self.depths = DepthHistogram(self.max_blocks)
+        self.root_depths: OrderedDict[int, DepthHistogram] = OrderedDict()
+        self.max_roots = max_roots
         self.blocks: dict[int, Block] = {}
         self.stats = Stats()
         self.signature = None
@@ -123,7 +129,15 @@ class PrefixCache:
         """(blocks to pin, reusable length n, per-layer hybrid state at n or None) for one prompt."""
         blocks = self.match(tokens)
         matched = len(blocks) * self.block_tokens
-        self.depths.observe(matched)
+        self.depths.observe(len(blocks))
+        root = self._root(tokens)
+        if root is not None:
+            if root not in self.root_depths:
+                self.root_depths[root] = DepthHistogram(self.max_blocks)
+                if len(self.root_depths) > self.max_roots:
+                    self.root_depths.popitem(last=False)
+            self.root_depths.move_to_end(root)
+            self.root_depths[root].observe(len(blocks))
         n = self.boundary(config, min(matched, len(tokens)))
         state = None
         if config.hybrid_layers:  # resume from the deepest checkpoint at or below n
@@ -150,16 +164,32 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insertion
 
-    def checkpoint_positions(self, config, start: int, end: int) -> list[int]:
-        """Where to keep hybrid-layer states along a new sequence: the DP's choice among chunk boundaries in
-        (start, end], under the observed distribution of match depths and a linear recompute cost."""
+    def checkpoint_positions(self, config, start: int, end: int, tokens: list[int] | None = None) -> list[int]:
+        """Where to keep hybrid-layer states along a new sequence resumed at `start` and stored up to `end`: the DP's
+        choice among chunk boundaries in (start, end] whose block gets stored, under the match depths observed for
+        this sequence's first block (or all sequences, before it has any) and a linear recompute cost, the savings
+        counted from `start`, where this request resumed."""
         if not config.hybrid_layers or end <= start:
             return []
-        candidates = sorted({self.boundary(config, q) for q in range(start + 1, end + 1)} - {0})
-        candidates = [q for q in candidates if start < q <= end]
+        bt = self.block_tokens
+        candidates = sorted({self.boundary(config, q) for q in range(start + 1, end + 1)})
+        # a checkpoint at q lives in the block holding token q - 1: that block must be one insert() stores
+        candidates = [q for q in candidates if start < q and -(-q // bt) * bt <= end]
         if not candidates:
             return []
-        return list(place_checkpoints(candidates, lambda t: t, self.depths.survival, self.checkpoints_per_sequence).positions)
+        depths = self._depths_for(tokens)
+        survival = lambda x: depths.survival(-(-(x + start) // bt))  # noqa: E731  P(match >= start + x tokens)
+        placement = place_checkpoints([q - start for q in candidates], lambda t: t, survival, self.checkpoints_per_sequence)
+        return [q + start for q in placement.positions]
+
+    def _root(self, tokens: list[int] | None):
+        if tokens is None or len(tokens) < self.block_tokens:
+            return None
+        return self._hash(None, tuple(tokens[: self.block_tokens]))
+
+    def _depths_for(self, tokens: list[int] | None) -> DepthHistogram:
+        own = self.root_depths.get(self._root(tokens))
+        return own if own is not None and own.total > 0 else self.depths
 
     def insert(self, config, tokens: list[int], keys: list, values: list, states: dict) -> None:
         """Store the blocks of `tokens` not cached yet. keys/values: per layer [Hkv, len, d] (None for hybrid

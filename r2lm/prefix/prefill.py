@@ -33,7 +33,7 @@ def prefill_rows(model, prefix_cache, rows: list[list[int]], max_length: int):
             values = [None if v0 is None else torch.cat([b.values[i] for b in blocks], 1)[None, :, :n]
                       for i, v0 in enumerate(blocks[0].values)]
             row.load(keys, values, state, n)
-        stops = prefix_cache.checkpoint_positions(config, n, prefix_cache.boundary(config, len(tokens)))
+        stops = prefix_cache.checkpoint_positions(config, n, prefix_cache.boundary(config, len(tokens)), tokens)
         states, done = {}, n
         for stop in [*stops, len(tokens)]:
             if stop > done:
