@@ -139,6 +139,28 @@ def run_to_hf(args) -> None:
     convert_to_hf(args.src, args.dst, overwrite=args.overwrite)
 
 
+def add_merge_lora(sub) -> None:
+    p = sub.add_parser(
+        "merge-lora",
+        help="R2LM checkpoint + peft LoRA adapter -> merged R2LM checkpoint",
+        description="Merge a peft LoRA adapter (e.g. the final/ of a train/pretrain.py run with lora.enabled, stage 2 "
+        "of hybrid conversion) into the R2LM checkpoint it was trained on, and write a plain R2LM checkpoint. The "
+        "adapter is checked against SRC first (target modules, weight names, shapes, rank).",
+    )
+    p.add_argument("src", help="R2LM checkpoint folder the adapter was trained on")
+    p.add_argument("adapter", help="peft adapter folder (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: SRC's)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(run=run_merge_lora)
+
+
+def run_merge_lora(args) -> None:
+    from convert.merge_lora import merge_lora
+
+    merge_lora(args.src, args.adapter, args.dst, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
+
+
 def add_importers(sub) -> None:
     """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
     from convert.importers import add_parsers
@@ -154,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_deepspeed_to_hf(sub)
     add_to_hybrid(sub)
     add_to_hf(sub)
+    add_merge_lora(sub)
     add_importers(sub)
     return parser
 

@@ -60,6 +60,17 @@ class WandbConfig:
 
 
 @dataclass
+class LoraSection:
+    enabled: bool = opt(False, "wrap the model with peft LoRA adapters before DeepSpeed (stage 2 of hybrid conversion, "
+                        "train/lora.py): only the adapters train; the export (final/) is the adapter, merged with "
+                        "python -m convert merge-lora BASE final DST")
+    r: int = opt(8, "LoRA rank")
+    alpha: float = opt(16.0, "LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = opt(0.0, "dropout on the adapters' input (replayed exactly on resume)")
+    target_modules: list = opt(["q_proj", "k_proj", "v_proj", "o_proj"], "module names that get adapters, in every layer")
+
+
+@dataclass
 class TrainConfig:
     model: str = opt(REQUIRED, "R2LM checkpoint folder to start from (python -m convert from-hf ...)", kind=str)
     output_dir: str = opt(REQUIRED, "run folder: checkpoints/, final/ (HF export), metrics.jsonl, train.log, wandb/", kind=str)
@@ -69,7 +80,10 @@ class TrainConfig:
                          choices=("auto", "bf16", "fp32"))
     seed: int = opt(0, "seed of the data order, the diffusion noise and anything else random")
 
-    objective: str = opt("block", "training objective (r2lm.diffusion)", choices=("ar", "mdlm", "block"))
+    objective: str = opt("block", "training objective: ar | mdlm | block (r2lm.diffusion), or attention_transfer (stage 1 of "
+                         "hybrid conversion, train/transfer.py: per-layer MSE of block-hybrid layers to their own softmax "
+                         "attention on noised block-diffusion batches; only feature maps and gates train)",
+                         choices=("ar", "mdlm", "block", "attention_transfer"))
     complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample")
     eps: float = opt(1e-3, "diffusion objectives: smallest masking probability")
     freeze_backbone: bool = opt(False, "train only the sidecars and their gates (R2LM plug-in variant)")
@@ -106,6 +120,7 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data pipeline (train/data.py)"})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "experiment tracking"})
+    lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "LoRA adapters (peft)"})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -265,6 +280,12 @@ def check_values(cfg: TrainConfig) -> None:
             raise ValueError(f"config key data.{key} must be a string or a non-empty list of strings, got {value!r}")
     if cfg.data.train in ("", None):
         raise ValueError("config key data.train is empty: give the training data")
+    lora = cfg.lora
+    if lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ValueError(f"config keys lora.r and lora.alpha must be positive and lora.dropout in [0, 1), got r={lora.r}, "
+                         f"alpha={lora.alpha}, dropout={lora.dropout}")
+    if not lora.target_modules or not all(isinstance(m, str) and m for m in lora.target_modules):
+        raise ValueError(f"config key lora.target_modules must be a non-empty list of module names, got {lora.target_modules!r}")
 
 
 # ---------------------------------------------------------------------------------------------- help

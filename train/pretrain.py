@@ -14,6 +14,11 @@ Run folder (`output_dir`): config.yaml (resolved config), train.log, metrics.jso
 evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints, see train/checkpointing.py) and
 final/ (HF-format R2LM folder written at the end). With resume=auto a rerun continues from the newest complete
 checkpoint and reproduces the uninterrupted run's losses exactly (same world size).
+
+Block-hybrid conversion runs in two stages of this program: objective=attention_transfer (stage 1,
+train/transfer.py: only feature maps and gates train; attention_transfer.json reports the held-out per-layer MSE
+before and after) and lora.enabled=true (stage 2, train/lora.py: peft LoRA under the block loss; final/ is then
+the adapter, merged with python -m convert merge-lora).
 """
 
 from __future__ import annotations
@@ -161,12 +166,25 @@ def validate(cfg: TrainConfig) -> Plan:
         raise ValueError(f"model {cfg.model} is a {config.model_type!r} checkpoint; convert it with python -m convert from-hf")
     if cfg.seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} is above the model's max_position_embeddings {config.max_position_embeddings}")
-    check_objective(cfg.objective, config)
-    if cfg.objective == "block" and cfg.seq_len <= config.block_size:
+    transfer = cfg.objective == "attention_transfer"
+    if transfer:
+        from train.transfer import check_attention_transfer
+
+        check_attention_transfer(config)
+        if cfg.data.heldout is None and not cfg.data.heldout_fraction:
+            raise ValueError("objective attention_transfer reports the held-out per-layer MSE before and after training: "
+                             "give data.heldout or data.heldout_fraction")
+    else:
+        check_objective(cfg.objective, config)
+    if cfg.objective in ("block", "attention_transfer") and cfg.seq_len <= config.block_size:
         raise ValueError(f"seq_len {cfg.seq_len} must exceed the block size {config.block_size} (block 0 is context only)")
     if cfg.complementary and cfg.objective != "block":
         raise ValueError("complementary masks exist for the block objective only")
-    if cfg.freeze_backbone and not config.sidecar_layers:
+    if cfg.lora.enabled:
+        from train.lora import check_lora
+
+        check_lora(cfg, config)
+    if cfg.freeze_backbone and not config.sidecar_layers and not transfer:
         raise ValueError("freeze_backbone leaves nothing to train: the model has no sidecar_layers")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -234,7 +252,8 @@ def param_groups(model, weight_decay: float):
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # ZeRO drops empty groups, and the LR schedule must match its count
 
 
 def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
@@ -242,18 +261,29 @@ def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
     import torch
 
     from r2lm import R2LMForDiffusionLM
+    from train.transfer import AttentionTransferLM, freeze_for_transfer
 
-    model = R2LMForDiffusionLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
+    transfer = cfg.objective == "attention_transfer"
+    model_class = AttentionTransferLM if transfer else R2LMForDiffusionLM
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; keep working with either name
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
-    if cfg.freeze_backbone:
+    if transfer:  # stage 1 trains the feature maps and gates only, whatever freeze_backbone says
+        names = freeze_for_transfer(model)
+        logger.info("attention transfer: training %d feature-map / gate tensors of hybrid layers %s%s", len(names),
+                    model.config.hybrid_layers, " (freeze_backbone is implied)" if cfg.freeze_backbone else "")
+    elif cfg.freeze_backbone:
         names = model.freeze_backbone()
         logger.info("frozen backbone: training %d sidecar tensors", len(names))
+    if cfg.lora.enabled:
+        from train.lora import wrap
+
+        model = wrap(model, cfg.lora)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    logger.info("model %s: %.2fM parameters, %.2fM trainable", model_dir, total / 1e6, trainable / 1e6)
+    logger.info("model %s: %.2fM parameters, %d trainable (%.3g%%)", model_dir, total / 1e6, trainable, 100 * trainable / total)
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
         fused=torch.cuda.is_available(),
@@ -264,29 +294,46 @@ def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
 
 
 def evaluate(engine, data, cfg: TrainConfig, model_config, rank: int, dist) -> dict:
-    """The objective's loss on the held-out set with fixed noise: token-weighted over all ranks' batches."""
+    """The objective's loss on the held-out set with fixed noise: token-weighted over all ranks' batches (and, for
+    attention transfer, each hybrid layer's MSE: `eval_mse_layer_N`)."""
     import torch
 
-    from r2lm.diffusion import compute_loss
-
-    options = _objective_options(cfg)
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    layers = None  # attention transfer: [sum of weight * per-layer MSE ..., sum of weights]
     engine.eval()
     with torch.no_grad():
         for k, indices, weight in data.heldout.plan(rank):
             x0 = data.heldout.batch(indices).to(engine.device)
             generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.eval_seed, k, rank))
-            out = compute_loss(cfg.objective, engine, x0, separator_id=data.eos_id, generator=generator,
-                               config=model_config, **options)
+            out = objective_loss(cfg, engine, x0, data.eos_id, generator, model_config)
             totals += torch.tensor([float(out.loss) * out.tokens * weight, out.tokens * weight],
                                    dtype=torch.float64, device=engine.device)
+            if getattr(out, "per_layer", None) is not None:
+                part = torch.cat([out.per_layer.detach().double() * weight, torch.tensor([weight], dtype=torch.float64)])
+                layers = part if layers is None else layers + part
     engine.train()
     dist.all_reduce(totals)
-    return {"eval_loss": float(totals[0] / totals[1]), "eval_tokens": int(totals[1])}
+    record = {"eval_loss": float(totals[0] / totals[1]), "eval_tokens": int(totals[1])}
+    if layers is not None:
+        dist.all_reduce(layers)
+        record.update({f"eval_mse_layer_{i}": float(v) for i, v in zip(model_config.hybrid_layers, layers[:-1] / layers[-1], strict=True)})
+    return record
+
+
+def objective_loss(cfg: TrainConfig, model, x0, separator_id, generator, model_config):
+    """The configured objective on one batch: r2lm.diffusion's, or attention transfer (train/transfer.py)."""
+    if cfg.objective == "attention_transfer":
+        from train.transfer import transfer_loss
+
+        return transfer_loss(model, x0, separator_id=separator_id, generator=generator, config=model_config, eps=cfg.eps)
+    from r2lm.diffusion import compute_loss
+
+    return compute_loss(cfg.objective, model, x0, separator_id=separator_id, generator=generator, config=model_config,
+                        **_objective_options(cfg))
 
 
 def _objective_options(cfg: TrainConfig) -> dict:
-    if cfg.objective == "ar":
+    if cfg.objective in ("ar", "attention_transfer"):
         return {}
     options = {"eps": cfg.eps}
     if cfg.objective == "block":
@@ -318,10 +365,11 @@ def train(cfg: TrainConfig) -> Result:
     from deepspeed import comm as dist
     from tqdm.auto import tqdm
 
-    from r2lm.diffusion import compute_loss
     from train import checkpointing
     from train.data import build_data, eos_id_of
-    from train.tracking import Tracker
+    from train.lora import base_model, export_adapter, save_adapter_config
+    from train.tracking import Tracker, read_metrics
+    from train.transfer import write_summary
 
     deepspeed.init_distributed(verbose=False)
     setup_logging(rank, run_dir)
@@ -335,7 +383,7 @@ def train(cfg: TrainConfig) -> Result:
     eos_id = eos_id_of(plan.tokenizer, plan.model_config)
     data = build_data(cfg, plan.tokenizer, eos_id, rank, world, first_on_node=local_rank == 0, barrier=dist.barrier)
     engine = build_engine(cfg, plan, model_dir)
-    model_config = engine.module.config
+    model_config = base_model(engine.module).config
     ckpt_root = run_dir / "checkpoints"
     export_dtype = plan.source_dtype if cfg.export_dtype == "auto" else cfg.export_dtype
 
@@ -346,6 +394,8 @@ def train(cfg: TrainConfig) -> Result:
         plan.tokenizer.save_pretrained(folder)
         if (model_dir / "generation_config.json").is_file():
             (folder / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
+        if cfg.lora.enabled:
+            save_adapter_config(engine.module, folder)
 
     start = 0
     last_ckpt = plan.resume_from
@@ -354,7 +404,7 @@ def train(cfg: TrainConfig) -> Result:
         logger.info("resumed from %s at step %d", plan.resume_from, start)
     end = cfg.stop_at or cfg.steps
     tracker = Tracker(cfg, run_dir, rank, start)
-    options = _objective_options(cfg)
+    transfer = cfg.objective == "attention_transfer"
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
 
     def run_eval(step: int) -> None:
@@ -362,14 +412,15 @@ def train(cfg: TrainConfig) -> Result:
             return
         record = {"kind": "eval", "step": step, **evaluate(engine, data, cfg, model_config, rank, dist)}
         tracker.log(record)
-        logger.info("step %d: held-out loss %.4f (%d tokens)", step, record["eval_loss"], record["eval_tokens"])
+        layers = "".join(f", layer {k.rsplit('_', 1)[1]} MSE {v:.4g}" for k, v in record.items() if k.startswith("eval_mse_layer_"))
+        logger.info("step %d: held-out loss %.4g (%d tokens)%s", step, record["eval_loss"], record["eval_tokens"], layers)
 
     def state_at(step: int) -> dict:
         return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed, "config": cfg.to_dict()}
 
     if data.heldout is None:
         logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
-    if start == 0 and cfg.eval_at_start:
+    if start == 0 and (cfg.eval_at_start or transfer):  # attention transfer reports its MSE before training
         run_eval(0)
     progress = tqdm(total=end, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
     engine.train()
@@ -378,11 +429,14 @@ def train(cfg: TrainConfig) -> Result:
         for step in range(start, end):
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+            layer_sum = torch.zeros(len(model_config.hybrid_layers), dtype=torch.float64, device=engine.device)
             for micro in range(cfg.grad_accum):
                 x0 = data.train(step, micro).to(engine.device)
                 generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.seed, step, micro, rank))
-                out = compute_loss(cfg.objective, engine, x0, separator_id=eos_id, generator=generator,
-                                   config=model_config, **options)
+                torch.manual_seed(noise_seed(cfg.seed, step, micro, rank, 1))  # dropout (LoRA) replays on resume
+                out = objective_loss(cfg, engine, x0, eos_id, generator, model_config)
+                if transfer:
+                    layer_sum += out.per_layer.detach().to(torch.float64)
                 reduced = out.loss.detach().to(torch.float64).clone()
                 dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
                 if not torch.isfinite(reduced):
@@ -407,11 +461,15 @@ def train(cfg: TrainConfig) -> Result:
                 "lr": cfg.lr * lr_factor(step, cfg), "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": done * tokens_per_step, "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
             }
+            if transfer:
+                dist.all_reduce(layer_sum)
+                layer_mean = (layer_sum / (cfg.grad_accum * world)).tolist()
+                record.update({f"mse_layer_{i}": v for i, v in zip(model_config.hybrid_layers, layer_mean, strict=True)})
             tracker.log(record)
             progress.update(1)
             if done % cfg.log_every == 0 or done == end:
-                progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
-                logger.info("step %d/%d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
+                progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
+                logger.info("step %d/%d: loss %.4g, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
                             record["loss"], record["lr"], f"{record['grad_norm']:.3g}" if grad_norm is not None else "n/a",
                             record["tokens_per_s"])
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -424,10 +482,14 @@ def train(cfg: TrainConfig) -> Result:
         progress.close()
         tracker.finish()
 
+    if transfer and end == cfg.steps and rank == 0:
+        write_summary(run_dir, read_metrics(run_dir, "eval"), model_config, cfg.steps)
     export_dir = None
     if cfg.export and end == cfg.steps:
         export_dir = run_dir / "final"
-        if rank == 0:
+        if rank == 0 and cfg.lora.enabled:  # the adapter alone; python -m convert merge-lora merges it
+            export_adapter(last_ckpt, export_dir, model_dir, dtype=getattr(torch, export_dtype), overwrite=True)
+        elif rank == 0:
             from convert.deepspeed_to_hf import export_deepspeed_checkpoint
 
             export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True)

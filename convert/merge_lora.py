@@ -1,0 +1,120 @@
+"""R2LM checkpoint + peft LoRA adapter -> one merged R2LM checkpoint (DESIGN 7: "merge on export").
+
+    python -m convert merge-lora SRC ADAPTER DST [--dtype bfloat16] [--overwrite]
+
+SRC is the checkpoint the adapter was trained on (for hybrid conversion: stage 1's export), ADAPTER a peft folder
+(adapter_config.json + adapter_model.safetensors, e.g. the final/ of a `lora.enabled` run of train/pretrain.py).
+The adapter is checked against SRC before anything is merged: its target modules must exist there, and its
+weights must be exactly the ones a LoRA of that configuration on SRC has (names, shapes, rank). The merge
+(W += scaling * B @ A, peft's merge_and_unload) runs in fp32; the result is cast to SRC's dtype (or --dtype) and
+written atomically, with SRC's tokenizer and generation config, as a plain R2LM checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def read_adapter(adapter: Path):
+    """(LoraConfig, weights) of a peft adapter folder. Raises ValueError."""
+    from peft import LoraConfig, PeftType
+    from safetensors.torch import load_file
+
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"{adapter} is not a peft adapter folder: it has no {ADAPTER_CONFIG}")
+    try:
+        raw = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{adapter / ADAPTER_CONFIG} is not valid JSON: {err}") from None
+    if raw.get("peft_type") != PeftType.LORA.value:
+        raise ValueError(f"{adapter} holds a {raw.get('peft_type')!r} adapter; merge-lora merges LoRA adapters")
+    try:
+        config = LoraConfig.from_pretrained(str(adapter))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{adapter / ADAPTER_CONFIG} is not a usable LoRA config: {err}") from None
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{adapter} has no {ADAPTER_WEIGHTS}")
+    try:
+        weights = load_file(adapter / ADAPTER_WEIGHTS)
+    except Exception as err:
+        raise ValueError(f"cannot read {adapter / ADAPTER_WEIGHTS}: {err}") from None
+    return config, weights
+
+
+def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
+    """The peft model of `base` with the adapter loaded, after checking the adapter fits `base`. Raises ValueError."""
+    from peft import get_peft_model
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    try:
+        model = get_peft_model(base, config)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"adapter {adapter} does not fit {src}: {err}") from None
+    expected = {k: v.shape for k, v in get_peft_model_state_dict(model).items()}
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter {adapter} does not fit {src}: its weights name other modules than a LoRA on "
+            f"{sorted(config.target_modules)} of this model has (missing {len(missing)}: {missing[:3]}; unexpected "
+            f"{len(unexpected)}: {unexpected[:3]})"
+        )
+    wrong = [(k, tuple(weights[k].shape), tuple(expected[k])) for k in expected if weights[k].shape != expected[k]]
+    if wrong:
+        name, got, want = wrong[0]
+        raise ValueError(
+            f"adapter {adapter} does not fit {src}: {len(wrong)} weight(s) have the wrong shape, e.g. {name} is {got} but a "
+            f"rank-{config.r} LoRA of this model needs {want} (an adapter of another model, or a config whose r does not "
+            "match its weights)"
+        )
+    set_peft_model_state_dict(model, {k: v.float() for k, v in weights.items()})
+    return model
+
+
+def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write the merged checkpoint `dst`; returns it. Every check runs before `dst` is touched."""
+    from transformers import AutoTokenizer
+
+    from r2lm import R2LMForDiffusionLM
+
+    src, adapter, dst = Path(src), Path(adapter), Path(dst)
+    if dst.resolve() in (src.resolve(), adapter.resolve()):
+        raise ValueError("DST must differ from SRC and ADAPTER: the inputs are never modified")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    if read_config(src).get("model_type") != "r2lm":
+        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
+    config, weights = read_adapter(adapter)
+    base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
+    out_dtype = dtype or base.config.dtype or torch.float32
+    if isinstance(out_dtype, str):
+        out_dtype = getattr(torch, out_dtype)
+    recorded = config.base_model_name_or_path
+    if recorded and Path(recorded).resolve() != src.resolve():
+        logger.warning("the adapter was trained on %s; merging it into %s", recorded, src)
+    model = attach(base, config, weights, src, adapter)
+    merged = model.merge_and_unload()
+    if not isinstance(merged, R2LMForDiffusionLM):
+        raise ValueError(f"merging left a {type(merged).__name__}, not an R2LMForDiffusionLM")
+    merged = merged.to(out_dtype).eval()
+    merged.config.dtype = out_dtype
+    with atomic_output_dir(dst, overwrite) as tmp:
+        merged.save_pretrained(tmp)
+        if has_tokenizer(src):
+            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    logger.info("merged %d LoRA layers (r=%d, alpha=%g) of %s into %s -> %s (%s)", len(weights) // 2, config.r,
+                config.lora_alpha, adapter, src, dst, str(out_dtype).removeprefix("torch."))
+    return dst
