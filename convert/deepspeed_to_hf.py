@@ -90,6 +90,11 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
 
     root, tag = resolve_checkpoint(ckpt, tag)
     folder = root / tag
+    if (folder / "adapter_config.json").is_file():
+        raise ValueError(
+            f"{folder} is a LoRA (stage 2) checkpoint: its weights are an adapter over the base model, not an R2LM; the "
+            "run's final/ folder holds the adapter (train.lora.export_adapter), merge it with python -m convert merge-lora"
+        )
     meta = Path(model_config) if model_config else folder
     if not (meta / "config.json").is_file():
         raise ValueError(
