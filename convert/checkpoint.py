@@ -45,6 +45,16 @@ def read_state_dict(src: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_destination(src, dst, overwrite: bool) -> tuple[Path, Path]:
+    """(src, dst) as paths, after refusing a DST that is SRC or that exists without --overwrite."""
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    return src, dst
+
+
 def has_tokenizer(src: Path) -> bool:
     return any((Path(src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -106,11 +106,7 @@ def convert_from_hf(
     """Convert the checkpoint folder `src` into an R2LM checkpoint folder `dst`; returns `dst`.
 
     diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    src, dst = check_destination(src, dst, overwrite)
     arch = read_config(src).get("model_type")
     if arch not in SUPPORTED:
         raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -376,11 +376,7 @@ def import_checkpoint(
     from r2lm import R2LMConfig, R2LMForDiffusionLM
 
     spec = LAYOUTS[layout]
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    src, dst = check_destination(src, dst, overwrite)
     raw = read_config(src)
     try:
         fields = spec.config(raw)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config
+from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config
 from r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -34,11 +34,7 @@ def architecture_of(config) -> str:
 
 
 def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    src, dst = check_destination(src, dst, overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint")
     model = R2LMForDiffusionLM.from_pretrained(src)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
 from convert.from_hf import load_backbone
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
@@ -21,11 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, overwrite: bool = False) -> Path:
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    src, dst = check_destination(src, dst, overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
     config = R2LMConfig.from_pretrained(src)
