@@ -7,8 +7,12 @@
 - `approximate_cache="dual"` (Fast-dLLM DualCache): as prefix, and the keys of everything right of the block are
   kept too, so each step encodes only the block.
 
-Both caches are APPROXIMATE: under bidirectional attention the kept keys would change as the canvas fills in;
-they are refreshed once per block. Outputs can differ from the no-cache decoder.
+- `bicache=store` (BiCache, r2lm.prefix.bicache): when every prompt starts with a prefix held in the store, each
+  step's layers below the store's safe depth b(r) run without the prefix and read its stored prefix-alone keys and
+  values; layers from b on re-encode the whole canvas as before.
+
+All three are APPROXIMATE: under bidirectional attention the kept keys would change as the canvas fills in;
+they are refreshed once per block (Fast-dLLM) or never (BiCache). Outputs can differ from the no-cache decoder.
 Under `shift` (Dream), canvas position p is predicted by the logits of p - 1.
 """
 
@@ -31,6 +35,7 @@ def decode_bidirectional(model, r) -> GenerateOutput:
     stopper = r.stopper
     stopper.stream(ids)
     nfe = steps = 0
+    reuse = r.bicache.prepare(model, ids, mask, n_new, lead) if r.bicache is not None else None
 
     end = 0
     for start in range(0, n_new, b):
@@ -43,7 +48,10 @@ def decode_bidirectional(model, r) -> GenerateOutput:
             masked = block == mask_id
             if not masked.any():
                 break
-            if r.approximate_cache is None:
+            if reuse is not None:  # rest column c - P holds canvas column c (c >= padding + P: prepare() sees to it)
+                col = first - reuse.prefix_len
+                logits = reuse.logits(canvas)[:, col : col + end - start]
+            elif r.approximate_cache is None:
                 logits = model(canvas, attention_mask=canvas_mask).logits[:, first : first + end - start]
             elif cache is None:  # block start: one full forward fills the cache, then keep only its left part
                 cache = KVCache(model.config, batch, canvas.shape[1], model.dtype, model.device)

@@ -50,7 +50,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     Options (see r2lm.generation.request.make_request for all and their checks): max_new_tokens=128,
     block_size (default: the model's), threshold=0.9 | factor | tokens_per_step, confidence ("max_prob",
     "margin", "entropy"), temperature=0.0, top_k, top_p, generator, eos_token_id, pad_token_id, stop_strings +
-    tokenizer, streamer, use_cache=True, approximate_cache (None, "prefix" or "dual": bidirectional models only).
+    tokenizer, streamer, use_cache=True, approximate_cache (None, "prefix" or "dual": bidirectional models only),
+    bicache (an r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix's shallow-layer keys and values,
+    bidirectional models only).
     """
     request = make_request(model, input_ids, attention_mask, **options)
     if model.config.attention == "bidirectional":

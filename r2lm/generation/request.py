@@ -94,6 +94,7 @@ class Request:
     approximate_cache: str | None
     prefix_cache: object | None
     stopper: Stopper
+    bicache: object | None = None
 
 
 def _as_list(ids):
@@ -124,6 +125,7 @@ def make_request(
     use_cache: bool = True,
     approximate_cache: str | None = None,
     prefix_cache=None,
+    bicache=None,
 ) -> Request:
     """Check every argument (ValueError naming the problem) and fill defaults from the model's config."""
     config = model.config
@@ -190,6 +192,8 @@ def make_request(
 
     if prefix_cache is not None and (not use_cache or config.attention == "bidirectional"):
         raise ValueError("prefix_cache reuses exact keys: it needs use_cache=True and a causal or block_causal model")
+    if bicache is not None:
+        _check_bicache(bicache, config, approximate_cache)
 
     eos = _as_list(config.eos_token_id if eos_token_id is None else eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else config.pad_token_id
@@ -201,4 +205,17 @@ def make_request(
         threshold=threshold, factor=factor, tokens_per_step=tokens_per_step, confidence=confidence,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id, pad_id=pad_id,
         use_cache=use_cache, approximate_cache=approximate_cache, prefix_cache=prefix_cache, stopper=stopper,
+        bicache=bicache,
     )
+
+
+def _check_bicache(bicache, config, approximate_cache) -> None:
+    from r2lm.prefix.bicache import BiCache
+
+    if not isinstance(bicache, BiCache):
+        raise ValueError(f"bicache must be an r2lm.prefix.BiCache, got {type(bicache).__name__}")
+    if config.attention != "bidirectional":
+        raise ValueError("bicache is the approximate shallow-layer prefix reuse of bidirectional models; causal and "
+                         "block_causal models reuse exact keys with prefix_cache")
+    if approximate_cache is not None:
+        raise ValueError("bicache runs in the no-cache bidirectional decoder; it does not combine with approximate_cache")

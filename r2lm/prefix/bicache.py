@@ -28,6 +28,7 @@ import json
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -71,11 +72,11 @@ class SafeDepthTable:
         self.edges, self.depths = [float(e) for e in self.edges], [int(d) for d in self.depths]
         if len(self.edges) != len(self.depths):
             raise ValueError(f"table has {len(self.edges)} bucket edges but {len(self.depths)} depths")
-        if any(not 0 <= e < 1 for e in self.edges) or any(a >= b for a, b in zip(self.edges, self.edges[1:])):
+        if any(not 0 <= e < 1 for e in self.edges) or any(a >= b for a, b in pairwise(self.edges)):
             raise ValueError(f"bucket edges must be increasing and in [0, 1), got {self.edges}")
         if any(not 0 <= d <= self.num_layers for d in self.depths):
             raise ValueError(f"depths must be in [0, {self.num_layers}], got {self.depths}")
-        if any(a > b for a, b in zip(self.depths, self.depths[1:])):
+        if any(a > b for a, b in pairwise(self.depths)):
             raise ValueError(f"depths must not decrease with the prefix ratio, got {self.depths}")
 
     def depth(self, ratio: float) -> int:
@@ -133,7 +134,7 @@ def layer_similarity(model, prefix_ids, rest_ids) -> torch.Tensor:
     k_alone, v_alone, _ = encode(model, prefix[None])
     k_full, v_full, _ = encode(model, torch.cat([prefix, rest])[None])
     sims = []
-    for ka, va, kf, vf in zip(k_alone, v_alone, k_full, v_full):
+    for ka, va, kf, vf in zip(k_alone, v_alone, k_full, v_full, strict=True):
         k = F.cosine_similarity(_per_token(ka), _per_token(kf[:, :, :P]), dim=-1).mean()
         v = F.cosine_similarity(_per_token(va), _per_token(vf[:, :, :P]), dim=-1).mean()
         sims.append(torch.minimum(k, v))
@@ -157,7 +158,7 @@ def profile(model, samples, tau: float = 0.97, buckets=BUCKETS, quantile: float 
     if not 0 <= quantile <= 1:
         raise ValueError(f"quantile must be in [0, 1], got {quantile}")
     buckets = [float(b) for b in buckets]
-    if not buckets or any(not 0 <= b < 1 for b in buckets) or any(a >= b for a, b in zip(buckets, buckets[1:])):
+    if not buckets or any(not 0 <= b < 1 for b in buckets) or any(a >= b for a, b in pairwise(buckets)):
         raise ValueError(f"buckets must be increasing lower edges in [0, 1), got {buckets}")
     per_bucket: dict[int, list[torch.Tensor]] = {}
     for prefix, rest in samples:
@@ -257,7 +258,7 @@ class BiCache:
                 self.entries.popitem(last=False)
                 self.stats.evictions += 1
         keys, values, hidden = encode(model, ids[None])
-        self.entries[key] = Entry(key, keys, values, [h.clone() for h in hidden])
+        self.entries[key] = Entry(key, keys, values, hidden)
         return self.entries[key]
 
     def match(self, rows: list[list[int]]) -> Entry | None:
@@ -281,7 +282,7 @@ class BiCache:
         tokens at the end are never matched: under `shift` the last prompt token's logits predict the first canvas
         token and must be computed with the rest, not taken from a stored prefix."""
         self.bind(model)
-        prompts = [row[keep.bool()].tolist() for row, keep in zip(input_ids, attention_mask)]
+        prompts = [row[keep.bool()].tolist() for row, keep in zip(input_ids, attention_mask, strict=True)]
         self.stats.lookups += 1
         entry = self.match([p[: len(p) - lead] for p in prompts])
         if entry is None:
