@@ -53,6 +53,19 @@ def test_cached_equals_recompute(kind, rule):
     assert cached.steps < 21  # several tokens per step: the parallel path is exercised
 
 
+@pytest.mark.parametrize("kind", [dict(attention="block_causal", sidecar_layers=[]),
+                                  dict(sidecar_layers=[], hybrid_layers=[0, 2], hybrid_feature_dim=8)],
+                         ids=["block_causal", "hybrid"])
+def test_fused_read_and_commit_equals_recompute(kind):
+    """With no active sidecar a window without [MASK] is read and committed in one forward (block size 1 under
+    shift: every window), which must give what the separate denoise of the recompute path gives."""
+    model = peaky(**kind)
+    ids, mask = left_padded()
+    fused = generate(model, ids, mask, max_new_tokens=21, block_size=1)
+    assert fused.nfe == 1 + 21  # prefill, then one forward per token
+    assert torch.equal(fused.sequences, generate(model, ids, mask, max_new_tokens=21, block_size=1, use_cache=False).sequences)
+
+
 @pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, HYBRID], ids=["r2lm", "block_causal", "r2lm+hybrid"])
 def test_rows_of_a_padded_batch_equal_rows_alone(kind):
     model = peaky(**kind)
