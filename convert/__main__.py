@@ -110,6 +110,8 @@ def add_to_hybrid(sub) -> None:
     p.add_argument("dst", help="output folder (written atomically)")
     p.add_argument("--layers", type=layer_list, required=True, help="layers to convert, e.g. 0,4,8")
     p.add_argument("--feature-dim", type=int, help="Hedgehog feature dim F, at most head_dim (default: 64)")
+    p.add_argument("--untied-feature-maps", action="store_true",
+                   help="separate query and key feature maps (LoLCATs) instead of one per head (LLaDA-Hybrid)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(run=run_to_hybrid)
 
@@ -117,7 +119,8 @@ def add_to_hybrid(sub) -> None:
 def run_to_hybrid(args) -> None:
     from convert.to_hybrid import convert_to_hybrid
 
-    convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim, overwrite=args.overwrite)
+    convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim,
+                      tie_feature_maps=not args.untied_feature_maps, overwrite=args.overwrite)
 
 
 def add_to_hf(sub) -> None:

@@ -1,7 +1,7 @@
 """R2LM / block_causal checkpoint -> the same model with block-hybrid attention on chosen layers (DESIGN 1.2, 7).
 
-The chosen layers keep their q/k/v/o projections; they gain a Hedgehog feature map (identity plus noise) and a
-softmax gate (alpha = 0, w = 0.5). Until attention transfer trains the feature maps the linear part is only a
+The chosen layers keep their q/k/v/o projections; they gain a Hedgehog feature map (identity plus noise; one per
+head, or a query and a key map with `tie_feature_maps=False`) and a softmax gate (alpha = 0, w = 0.5). Until attention transfer trains the feature maps the linear part is only a
 rough stand-in for the softmax over earlier blocks; the first block, with nothing earlier, is exact.
 """
 
@@ -20,7 +20,8 @@ from r2lm import R2LMConfig, R2LMForDiffusionLM
 logger = logging.getLogger(__name__)
 
 
-def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, overwrite: bool = False) -> Path:
+def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, tie_feature_maps: bool = True,
+                      overwrite: bool = False) -> Path:
     src, dst = check_destination(src, dst, overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
@@ -37,8 +38,13 @@ def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, overwrit
         raise ValueError(
             f"{src} already has hybrid layers with feature dim {config.hybrid_feature_dim}; all hybrid layers share it"
         )
+    if config.hybrid_layers and tie_feature_maps != config.hybrid_tie_feature_maps:
+        raise ValueError(
+            f"{src} already has hybrid layers with {'tied' if config.hybrid_tie_feature_maps else 'untied'} feature "
+            "maps; all hybrid layers share that choice"
+        )
     fields = config.to_dict()
-    fields.update(hybrid_layers=sorted(config.hybrid_layers + layers))
+    fields.update(hybrid_layers=sorted(config.hybrid_layers + layers), hybrid_tie_feature_maps=tie_feature_maps)
     if feature_dim is not None:
         fields["hybrid_feature_dim"] = feature_dim
     elif not config.hybrid_layers:  # the default 64, or the whole head when heads are smaller
@@ -54,5 +60,6 @@ def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, overwrit
             AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
         if (src / "generation_config.json").is_file():
             shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
-    logger.info("block-hybrid layers %s (feature dim %d)", hybrid.hybrid_layers, hybrid.hybrid_feature_dim)
+    logger.info("block-hybrid layers %s (feature dim %d, %s feature maps)", hybrid.hybrid_layers,
+                hybrid.hybrid_feature_dim, "tied" if tie_feature_maps else "untied")
     return dst

@@ -1,7 +1,7 @@
 """Quality of block-hybrid conversion, end to end on a small trained model (DESIGN 1.2 and 7; issue 5).
 
     python eval/hybrid_quality.py [--out runs/hybrid_quality] [--base-steps 1500] [--stage1-steps 400]
-                                  [--stage2-steps 300] [--launcher python|deepspeed] [--fresh]
+                                  [--stage2-steps 300] [--untied-feature-maps] [--launcher python|deepspeed] [--fresh]
 
 Every model is built by the project's own programs, as a user would (each step is skipped when its output is
 already there; --fresh starts over):
@@ -9,7 +9,8 @@ already there; --fresh starts over):
 1. text: Python's pydoc topics (scripts/make_corpus.py); a tiny random Qwen3 + BPE tokenizer (scripts/make_tiny_base.py,
    6 layers); `convert from-hf --attention block_causal --prediction inplace`; then block-diffusion training with
    train/pretrain.py (configs/train/tiny_cpu.yaml, --base-steps): the trained, unconverted model;
-2. `convert to-hybrid --layers 0,3` (every third layer): the converted model before stage 1;
+2. `convert to-hybrid --layers 0,3` (every third layer; tied feature maps unless --untied-feature-maps): the
+   converted model before stage 1;
 3. stage 1, attention transfer (configs/train/tiny_hybrid_stage1.yaml): per-layer held-out MSE before / after
    from the run's attention_transfer.json;
 4. stage 2, LoRA under the block loss (configs/train/tiny_hybrid_stage2.yaml), then `convert merge-lora`;
@@ -92,7 +93,8 @@ def build(args) -> dict[str, Path]:
                                                          "warmup_steps=50", "log_every=50", *common])),
         (out / "hybrid" / "config.json", "to-hybrid",
          [sys.executable, "-m", "convert", "to-hybrid", str(out / "trained" / "final"), str(out / "hybrid"),
-          "--layers", ",".join(map(str, hybrid_layers(args.layers)))]),
+          "--layers", ",".join(map(str, hybrid_layers(args.layers))),
+          *(["--untied-feature-maps"] if args.untied_feature_maps else [])]),
         (out / "stage1" / "final" / "config.json", "stage 1: attention transfer",
          train_cmd(args, "configs/train/tiny_hybrid_stage1.yaml", [f"model={out / 'hybrid'}", f"output_dir={out / 'stage1'}",
                                                                    f"steps={args.stage1_steps}", *common])),
@@ -261,6 +263,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="layers of the tiny base (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16, help="diffusion block size (default: %(default)s)")
     parser.add_argument("--base-steps", type=int, default=1500, help="block-diffusion training steps of the base")
+    parser.add_argument("--untied-feature-maps", action="store_true",
+                        help="separate query and key feature maps (LoLCATs) instead of tied ones (LLaDA-Hybrid)")
     parser.add_argument("--stage1-steps", type=int, default=400, help="attention-transfer steps")
     parser.add_argument("--stage2-steps", type=int, default=300, help="LoRA steps (stage 2 and the control)")
     parser.add_argument("--repeats", type=int, default=4, help="noise draws per held-out batch when scoring")

@@ -36,6 +36,8 @@ class R2LMConfig(PreTrainedConfig):
             shape of each sidecar's Mamba2 mixer.
         hybrid_layers: indices of block-hybrid layers (linear attention over committed blocks).
         hybrid_feature_dim: Hedgehog feature dimension of the hybrid layers.
+        hybrid_tie_feature_maps: one feature map per head for queries and keys (LLaDA-Hybrid), or separate
+            query and key maps (LoLCATs; twice the parameters, a closer fit to softmax attention).
     """
 
     model_type = "r2lm"
@@ -76,6 +78,7 @@ class R2LMConfig(PreTrainedConfig):
 
     hybrid_layers: list[int] | None = None
     hybrid_feature_dim: int = 64
+    hybrid_tie_feature_maps: bool = True
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:

@@ -12,6 +12,8 @@ MODELS = {
     "block_causal+sidecar": dict(attention="block_causal", sidecar_layers=[0]),
     "r2lm+hybrid": dict(attention="causal", sidecar_layers=[1], hybrid_layers=[0, 2], hybrid_feature_dim=8),
     "block_causal+hybrid": dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8),
+    "block_causal+untied hybrid": dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8,
+                                       hybrid_tie_feature_maps=False),
 }
 
 

@@ -1,5 +1,6 @@
 """Block-hybrid attention: exact in-chunk softmax with an empty state, parallel == recurrent, flat memory."""
 
+import pytest
 import torch
 
 from conftest import MASK_ID, tiny_r2lm
@@ -13,8 +14,9 @@ def _layer(**overrides):
     return tiny_r2lm(open_gates=True, **dict(HYBRID, **overrides)).model.layers[0].self_attn
 
 
-def test_empty_state_is_in_chunk_softmax():
-    attn = _layer()
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_empty_state_is_in_chunk_softmax(tied):
+    attn = _layer(hybrid_tie_feature_maps=tied)
     q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
     own = torch.tril(torch.ones(7, 7, dtype=torch.bool))[None, None]
     no_earlier = torch.zeros_like(own)
@@ -74,11 +76,21 @@ def test_padded_keys_contribute_nothing():
         torch.testing.assert_close(full, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_transfer_lowers_the_per_layer_mse():
+def test_untied_maps_give_keys_their_own_features():
+    tied, untied = _layer(), _layer(hybrid_tie_feature_maps=False)
+    assert tied.linear_attention.key_hedgehog_weights is None
+    keys = untied.linear_attention.key_hedgehog_weights
+    assert keys.shape == untied.linear_attention.hedgehog_weights.shape
+    assert not torch.equal(keys, untied.linear_attention.hedgehog_weights)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_attention_transfer_lowers_the_per_layer_mse(tied):
     """Stage 1: only feature maps and gates train, against each layer's own softmax attention."""
     from r2lm import dual_stream
 
-    model = tiny_r2lm(attention="block_causal", hybrid_layers=[0, 2], hybrid_feature_dim=8).train()
+    model = tiny_r2lm(attention="block_causal", hybrid_layers=[0, 2], hybrid_feature_dim=8,
+                      hybrid_tie_feature_maps=tied).train()
     trainable = [p for n, p in model.named_parameters() if ".linear_attention." in n]
     model.requires_grad_(False)
     for p in trainable:

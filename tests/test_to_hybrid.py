@@ -71,3 +71,13 @@ def test_checkpoint_that_does_not_match_its_config(r2lm_dir, tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.2.self_attn.k_proj.weight has shape \(16, 64\)"):
         convert_to_hybrid(r2lm_dir, dst, [0], feature_dim=8, overwrite=True)
     assert [p.name for p in dst.iterdir()] == ["keep"]
+
+
+def test_untied_feature_maps(r2lm_dir, tmp_path):
+    assert main(["to-hybrid", str(r2lm_dir), str(tmp_path / "hyb"), "--layers", "0", "--untied-feature-maps"]) == 0
+    model = R2LMForDiffusionLM.from_pretrained(tmp_path / "hyb")
+    assert model.config.hybrid_tie_feature_maps is False
+    assert model.model.layers[0].self_attn.linear_attention.key_hedgehog_weights is not None
+    with pytest.raises(ValueError, match="already has hybrid layers with untied feature maps"):
+        convert_to_hybrid(tmp_path / "hyb", tmp_path / "more", [2])  # tied is the default
+    assert not (tmp_path / "more").exists()

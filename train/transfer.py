@@ -9,8 +9,8 @@ output is what the next layer receives (`R2LMForDiffusionLM.attention_transfer`)
 
 Loss = the SUM over hybrid layers of their MSE. Layer l's feature map and gate move only MSE_l (every layer
 passes the teacher's output on), so the sum gives each layer exactly its own gradient whatever the number of
-hybrid layers; a mean would shrink each by that number. Only `linear_attention.{hedgehog_weights, alpha}` train,
-whatever freeze_backbone says. The run evaluates the held-out per-layer MSE with fixed noise at step 0 and at the
+hybrid layers; a mean would shrink each by that number. Only the feature maps and gates of the hybrid layers
+(`linear_attention.*`) train, whatever freeze_backbone says. The run evaluates the held-out per-layer MSE with fixed noise at step 0 and at the
 end (metrics.jsonl `eval_mse_layer_N`) and writes both and their ratio to OUTPUT_DIR/attention_transfer.json.
 """
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 OBJECTIVE = "attention_transfer"
 SUMMARY_FILE = "attention_transfer.json"
-TRAINABLE = ".linear_attention."  # hedgehog_weights and alpha of every hybrid layer
+TRAINABLE = ".linear_attention."  # the feature maps and alpha of every hybrid layer
 
 
 def check_attention_transfer(config) -> None:

@@ -7,6 +7,9 @@ key of earlier chunks, with one shared normaliser:
     out    = (w * sm_num + phi(q) S) / (w * sm_den + phi(q) Z),      w = sigmoid(alpha_h), alpha_h = 0 at init
     S = sum phi(k)^T v,  Z = sum phi(k)   over the earlier clean keys
 
+Queries and keys share W_h (LLaDA-Hybrid), or, with `hybrid_tie_feature_maps=False`, keys have their own
+(LoLCATs): key_hedgehog_weights, applied per query head after the GQA repeat like the query map.
+
 sm_num / sm_den are the softmax numerator and denominator over the own chunk, shifted by its row maximum. With
 no earlier keys the layer is exactly in-chunk softmax attention.
 
@@ -27,6 +30,8 @@ class BlockHybridAttention(nn.Module):
         self.head_dim = config.head_dim
         self.feature_dim = config.hybrid_feature_dim
         self.hedgehog_weights = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.feature_dim))
+        self.key_hedgehog_weights = (None if config.hybrid_tie_feature_maps else
+                                     nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.feature_dim)))
         self.alpha = nn.Parameter(torch.zeros(self.num_heads))
         self.eps = 1e-6
         if self.alpha.device.type != "meta":
@@ -37,14 +42,17 @@ class BlockHybridAttention(nn.Module):
         """Identity on the first F dimensions plus small noise on the rest (so no dimension starts ignored)."""
         from transformers import initialization as init
 
-        weights = torch.randn(self.num_heads, self.head_dim, self.feature_dim) * min(0.02, self.head_dim**-0.5)
-        weights[:, : self.feature_dim] += torch.eye(self.feature_dim)
-        init.copy_(self.hedgehog_weights, weights)
+        for param in (self.hedgehog_weights, self.key_hedgehog_weights):
+            if param is not None:  # untied maps start equal but for their noise
+                weights = torch.randn(self.num_heads, self.head_dim, self.feature_dim) * min(0.02, self.head_dim**-0.5)
+                weights[:, : self.feature_dim] += torch.eye(self.feature_dim)
+                init.copy_(param, weights)
         init.zeros_(self.alpha)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, head_dim] -> phi(x) [B, H, T, 2F] in fp32."""
-        proj = torch.einsum("bhtd,hdf->bhtf", x.float(), self.hedgehog_weights.float())
+    @staticmethod
+    def features(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, head_dim], weights [H, head_dim, F] -> phi(x) [B, H, T, 2F] in fp32."""
+        proj = torch.einsum("bhtd,hdf->bhtf", x.float(), weights.float())
         return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], dim=-1)
 
     def forward(self, q, k, v, own, earlier, scale, valid=None, state=None, fold=False):
@@ -54,7 +62,8 @@ class BlockHybridAttention(nn.Module):
         Returns out [B, H, T, d] and, with `fold`, (dS, dZ) of this input's real keys to add to the state."""
         groups = self.num_heads // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1).float(), v.repeat_interleave(groups, dim=1).float()
-        fq, fk = self.features(q), self.features(k)
+        key_weights = self.hedgehog_weights if self.key_hedgehog_weights is None else self.key_hedgehog_weights
+        fq, fk = self.features(q, self.hedgehog_weights), self.features(k, key_weights)
         w = torch.sigmoid(self.alpha.float())[None, :, None, None]
 
         scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~own, float("-inf"))
