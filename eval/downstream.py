@@ -35,7 +35,11 @@ file's path relative to the stdlib root decides, so the training corpus can use 
 top-level functions with a docstring. Prompt = EOS (a document boundary, as in packed training data) +
 decorators + signature + docstring (+ `--first-lines` body lines); the model completes the body with
 `r2lm.generate` (block size 1 for the AR variant) up to `--max-new-tokens`, stopping at EOS or a stop string
-that opens the next top-level statement; the completion is cut at its first line that starts at column 0. We
+that opens the next top-level statement; the completion is cut at its first line that starts at column 0. The
+prompt stops before the newline that ends the docstring: byte-level BPE merges a newline with the indentation
+after it ("\n    " is one token in training text), so a prompt ending in a bare "\n" token would ask for a
+continuation the model has never seen after that token. The completion must therefore open with a newline; one
+that continues the docstring line instead counts as empty. We
 report exact match of the body (trailing whitespace and trailing blank lines ignored), whether prompt +
 completion parses (`ast.parse`; a signature + docstring alone parses, so `parses_nonempty` also requires a non-empty
 body), the empty-completion rate and a character-level similarity (difflib ratio).
@@ -310,6 +314,12 @@ def cut_body(completion: str) -> str:
     return "".join(kept)
 
 
+def body_of(completion: str) -> str:
+    """The body a completion proposes: it opens with the newline the prompt stops before, then is cut like any
+    body; a completion that continues the docstring line proposes none."""
+    return cut_body(completion[1:]) if completion.startswith("\n") else ""
+
+
 def normalise(body: str) -> str:
     lines = [line.rstrip() for line in body.splitlines()]
     while lines and not lines[-1]:
@@ -336,7 +346,7 @@ def code_items(tokenizer, seed: int = 0, heldout_fraction: float = 0.05, max_fun
         if max_functions is not None and len(items) >= max_functions:
             break
         body_ids = tokenizer(fn["body"], add_special_tokens=False)["input_ids"]
-        prompt_ids = tokenizer(fn["prompt"], add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(fn["prompt"][:-1], add_special_tokens=False)["input_ids"]  # without its final newline
         if len(body_ids) > max_body_tokens or len(prompt_ids) > max_prompt_tokens:
             continue
         items.append({**fn, "prompt_ids": prompt_ids, "body_tokens": len(body_ids)})
@@ -367,7 +377,7 @@ def run_code_completion(model, tokenizer, mode: str = "auto", seed: int = 0, hel
                        stop_strings=CODE_STOPS, tokenizer=tokenizer, pad_token_id=pad, eos_token_id=eos)
         nfe, steps, new_tokens = nfe + out.nfe, steps + out.steps, new_tokens + out.new_tokens
         for it, row in zip(chunk, out.sequences[:, ids.shape[1] :].tolist(), strict=True):
-            body = cut_body(tokenizer.decode(row, skip_special_tokens=True))
+            body = body_of(tokenizer.decode(row, skip_special_tokens=True))
             records.append({
                 "file": it["file"], "name": it["name"], "exact_match": normalise(body) == normalise(it["body"]),
                 "parses": parses(it["prompt"] + body), "empty": not body.strip(),

@@ -131,8 +131,20 @@ def test_extract_functions_splits_prompt_and_body(tmp_path):
     assert fns[0]["body"] == "    c = a + b\n    return c\n"
     assert ds.extract_functions([tmp_path / "m.py"], first_lines=1)[0]["body"] == "    return c\n"
     assert ds.cut_body("    x = 1\n\n    return x\ndef g():\n    pass\n") == "    x = 1\n\n    return x\n"
+    assert ds.body_of("\n    return x\ndef g():\n") == "    return x\n"
+    assert ds.body_of(" more docstring\n    return x\n") == ""  # did not end the docstring line
     assert ds.normalise("    return c  \n\n\n") == ds.normalise("    return c\n")
     assert ds.parses(fns[0]["prompt"] + fns[0]["body"]) and not ds.parses(fns[0]["prompt"] + "    return (\n")
+
+
+def test_code_prompts_stop_before_the_docstrings_newline(tmp_path):
+    """BPE merges that newline with the body's indentation, so the model generates it (see eval.downstream)."""
+    (tmp_path / "m.py").write_text(SOURCE)
+    tok = tiny_tokenizer()
+    items = ds.code_items(tok, heldout_fraction=0.999, root=tmp_path)
+    assert [it["name"] for it in items] == ["documented", "fetch"]
+    for it in items:
+        assert tok.decode(it["prompt_ids"]) == it["prompt"][:-1]
 
 
 @pytest.fixture
