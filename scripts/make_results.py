@@ -246,7 +246,7 @@ def discussion(names, ev, ratios, throughput=None) -> list[str]:
         top = max(cloze.values())
         best = [n for n in cloze if cloze[n] == top]
         items = ev[best[0]]["cloze"]["items"]
-        lines.append(f"- Multiple choice: best {' and '.join(VARIANTS[n] for n in best)} at {top:.3f} (chance 0.25); with "
+        lines.append(f"- Multiple choice: best {'; '.join(VARIANTS[n] for n in best)}{' (tied)' if len(best) > 1 else ''} at {top:.3f} (chance 0.25); with "
                      f"{items} items one item is {1 / items:.3f}, so differences of a few items are noise.")
     code = {n: ev[n]["code"]["results"] for n in names if ev[n].get("code")}
     if code:
