@@ -37,5 +37,8 @@ step "4/5 continued pretraining: deepspeed, 2 ranks, ZeRO-2, block diffusion"
 deepspeed --num_gpus 2 --master_port "${QUICKSTART_PORT:-29617}" train/pretrain.py --config configs/train/tiny_cpu.yaml
 
 step "5/5 generate from the trained model (a 1M-parameter model after a minute of training: expect babble)"
-python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7
+# sampled: greedy decoding of a model this young mostly repeats its most frequent token (a newline)
+python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7 \
+  --temperature 0.9 --seed 0
+# greedy, a batch of two left-padded prompts
 python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 --threshold 0.7
