@@ -15,6 +15,12 @@ from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")
+
 
 def read_config(src: Path) -> dict:
     path = Path(src) / "config.json"
@@ -57,6 +63,30 @@ def check_destination(src, dst, overwrite: bool) -> tuple[Path, Path]:
 
 def has_tokenizer(src: Path) -> bool:
     return any((Path(src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """The tokenizer files of `src`, verbatim (remote-code tokenizers included: nothing is loaded or run)."""
+    src, dst = Path(src), Path(dst)
+    names = {n for n in TOKENIZER_FILES if (src / n).is_file()}
+    for pattern in TOKENIZER_GLOBS:
+        names |= {p.name for p in src.glob(pattern) if p.is_file()}
+    for name in sorted(names):
+        shutil.copy(src / name, dst / name)
+
+
+def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, tokenizer=None) -> None:
+    """`model.save_pretrained` into `dst`, atomically, with `tokenizer` (default: the tokenizer files of `src`, if
+    any) and `src`'s generation_config.json (if any)."""
+    src = Path(src)
+    with atomic_output_dir(dst, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        else:
+            copy_tokenizer_files(src, tmp)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
 
 
 @contextlib.contextmanager

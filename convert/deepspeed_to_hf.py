@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer
+from convert.checkpoint import has_tokenizer, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +83,6 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
     """Write the HF-format R2LM folder `dst` from a DeepSpeed checkpoint; returns `dst`.
 
     model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it."""
-    from transformers import AutoTokenizer
-
     from r2lm import R2LMConfig
 
     root, tag = resolve_checkpoint(ckpt, tag)
@@ -111,14 +108,8 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
     logger.info("reassembling fp32 weights from %s", folder)
     model = build_model(config, load_fp32_state_dict(root, tag), dtype)
     model.config.dtype = dtype
-    tokenizer = AutoTokenizer.from_pretrained(meta, local_files_only=True) if has_tokenizer(meta) else None
-    if tokenizer is None:
+    if not has_tokenizer(meta):
         logger.warning("%s has no tokenizer: the export will have none", meta)
-    with atomic_output_dir(dst, overwrite) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if (meta / "generation_config.json").is_file():
-            shutil.copy(meta / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(model, dst, meta, overwrite)
     logger.info("exported %s (%s) -> %s", folder, str(dtype).removeprefix("torch."), dst)
     return dst

@@ -8,13 +8,12 @@ embeddings when the vocabulary has none.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -138,11 +137,6 @@ def convert_from_hf(
     model.config.mask_token_id = mask_token_id
     model.config._check()
 
-    with atomic_output_dir(dst, overwrite) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(model, dst, src, overwrite, tokenizer)
     logger.info("mask token id %d; %s", mask_token_id, "added" if new_token else "already in the vocabulary")
     return dst

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +46,6 @@ LLADA2_MASK_ID = 156895
 DEFAULT_BLOCK_SIZE = 32
 
 # Files a tokenizer may consist of; copied verbatim when the tokenizer cannot be loaded without remote code.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
-TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")
 
 
 class _Source:
@@ -405,14 +399,7 @@ def import_checkpoint(
     model.config._check()
 
     tokenizer = _load_tokenizer(src, config.mask_token_id) if has_tokenizer(src) else None
-    with atomic_output_dir(dst, overwrite) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        elif has_tokenizer(src):
-            _copy_tokenizer_files(src, tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(model, dst, src, overwrite, tokenizer)
     logger.info("imported %s: attention=%s prediction=%s mask_token_id=%d", spec.name, config.attention,
                 config.prediction, config.mask_token_id)
     return dst
@@ -445,14 +432,6 @@ def _load_tokenizer(src: Path, mask_id: int):
     else:
         logger.warning("mask token id %d is outside the tokenizer's %d tokens", mask_id, len(tok))
     return tok
-
-
-def _copy_tokenizer_files(src: Path, dst: Path) -> None:
-    names = {n for n in TOKENIZER_FILES if (src / n).is_file()}
-    for pattern in TOKENIZER_GLOBS:
-        names |= {p.name for p in src.glob(pattern) if p.is_file()}
-    for name in sorted(names):
-        shutil.copy(src / name, dst / name)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
-from convert.checkpoint import atomic_output_dir, has_tokenizer, read_config
+from convert.checkpoint import read_config, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,6 @@ def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
 
 def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write the merged checkpoint `dst`; returns it. Every check runs before `dst` is touched."""
-    from transformers import AutoTokenizer
 
     from r2lm import R2LMForDiffusionLM
 
@@ -109,12 +107,7 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
         raise ValueError(f"merging left a {type(merged).__name__}, not an R2LMForDiffusionLM")
     merged = merged.to(out_dtype).eval()
     merged.config.dtype = out_dtype
-    with atomic_output_dir(dst, overwrite) as tmp:
-        merged.save_pretrained(tmp)
-        if has_tokenizer(src):
-            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(merged, dst, src, overwrite)
     logger.info("merged %d LoRA layers (r=%d, alpha=%g) of %s into %s -> %s (%s)", len(weights) // 2, config.r,
                 config.lora_alpha, adapter, src, dst, str(out_dtype).removeprefix("torch."))
     return dst

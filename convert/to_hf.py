@@ -9,12 +9,18 @@ block_causal or bidirectional attention: those checkpoints are refused.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config
+from convert.checkpoint import check_destination, read_config, write_checkpoint
 from r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -72,11 +78,6 @@ def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
         raise ValueError(f"state dict does not map onto {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
-    with atomic_output_dir(dst, overwrite) as tmp:
-        hf.save_pretrained(tmp)
-        if has_tokenizer(src):
-            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(hf, dst, src, overwrite)
     logger.info("exported the %s backbone of %s (%d parameters)", arch, src, sum(p.numel() for p in hf.parameters()))
     return dst

@@ -8,12 +8,9 @@ rough stand-in for the softmax over earlier blocks; the first block, with nothin
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from convert.checkpoint import atomic_output_dir, check_destination, has_tokenizer, read_config, read_state_dict
+from convert.checkpoint import check_destination, read_config, read_state_dict, write_checkpoint
 from convert.from_hf import load_backbone
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
@@ -54,12 +51,7 @@ def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, tie_feat
     model = R2LMForDiffusionLM._from_config(hybrid, dtype=config.dtype)
     new = tuple(f"model.layers.{i}.self_attn.linear_attention." for i in layers)
     load_backbone(model, read_state_dict(src), fresh=lambda name: name.startswith(new))
-    with atomic_output_dir(dst, overwrite) as tmp:
-        model.save_pretrained(tmp)
-        if has_tokenizer(src):
-            AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    write_checkpoint(model, dst, src, overwrite)
     logger.info("block-hybrid layers %s (feature dim %d, %s feature maps)", hybrid.hybrid_layers,
                 hybrid.hybrid_feature_dim, "tied" if tie_feature_maps else "untied")
     return dst
