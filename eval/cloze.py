@@ -13,14 +13,13 @@ same questions: a held-out stand-in for the multiple-choice benchmarks of the pa
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 
 import torch
 from tqdm import tqdm
 
-from eval.likelihood import eval_mode, load_model, read_texts, score_choices
+from eval.likelihood import eval_mode, load_model, read_texts, score_choices, write_result
 
 logger = logging.getLogger("eval.cloze")
 
@@ -75,11 +74,7 @@ def main(argv=None) -> dict:
         result = evaluate(model, tokenizer, read_texts(args.data), args.mode, args.items, args.context, args.answer,
                           args.choices, args.mc_num, args.seed)
     result["model"] = args.model
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    write_result(result, args.out)
     return result
 
 

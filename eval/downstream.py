@@ -51,7 +51,6 @@ import argparse
 import ast
 import difflib
 import hashlib
-import json
 import logging
 import random
 import sys
@@ -62,7 +61,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.likelihood import MODES, describe, eos_of, eval_mode, load_model, read_texts
+from eval.likelihood import MODES, describe, eos_of, eval_mode, load_model, read_texts, write_result
 from r2lm.generation.sampling import propose, select
 
 logger = logging.getLogger("eval.downstream")
@@ -450,13 +449,7 @@ def main(argv=None) -> dict:
                                      args.max_functions, args.max_new_tokens, args.first_lines, args.batch_size,
                                      args.threshold, args.block_size, args.stdlib_root, args.max_body_tokens)
     result["model"] = str(args.model)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        logger.info("wrote %s", args.out)
-    else:
-        print(text)
+    write_result(result, args.out)
     return result
 
 

@@ -128,6 +128,18 @@ def describe(model, mode: str) -> dict:
 # ---------------------------------------------------------------------------------------------- data
 
 
+def write_result(result: dict, out) -> None:
+    """An evaluation's JSON to `out` (its folder created), or to stdout without one."""
+    text = json.dumps(result, indent=1)
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        logger.info("wrote %s", out)
+    else:
+        print(text)
+
+
 def read_texts(path: str | Path) -> list[str]:
     """Documents of a held-out source: a .txt file (paragraphs separated by blank lines, as scripts/make_corpus.py
     writes them and training reads them with text_unit=paragraph), a .jsonl / .json file (field "text"), or a
@@ -611,13 +623,7 @@ def main(argv=None) -> dict:
         logger.info("ratio %s: masked NLL %.4f (ELBO term %.4f, %d masked)", r, v["nll"], v["elbo_term"], v["masked_tokens"])
     if result["next_token_nll"] is not None:
         logger.info("next-token NLL %.4f", result["next_token_nll"])
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        logger.info("wrote %s", args.out)
-    else:
-        print(text)
+    write_result(result, args.out)
     return result
 
 
