@@ -40,8 +40,9 @@ HYBRID = dict(sidecar_layers=[1], hybrid_layers=[0, 2], hybrid_feature_dim=8)
 
 
 @pytest.mark.parametrize("kind", [R2LM, BLOCK_CAUSAL, dict(prediction="inplace", sidecar_layers=[0]), HYBRID,
-                                  dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8)],
-                         ids=["r2lm", "block_causal", "inplace", "r2lm+hybrid", "block_causal+hybrid"])
+                                  dict(attention="block_causal", hybrid_layers=[1, 3], hybrid_feature_dim=8),
+                                  dict(HYBRID, hybrid_tie_feature_maps=False)],
+                         ids=["r2lm", "block_causal", "inplace", "r2lm+hybrid", "block_causal+hybrid", "r2lm+untied hybrid"])
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
 def test_cached_equals_recompute(kind, rule):
     model = peaky(**kind)

@@ -58,6 +58,19 @@ def base_overrides(model: Path, out: Path, train: Path, heldout: Path | None, ca
     return items
 
 
+def training_inputs(root: Path, **model_overrides) -> tuple[Path, Path, Path, Path]:
+    """A tiny model and corpus under `root`: (root, model, train, heldout)."""
+    model = make_model_dir(root / "model", **model_overrides)
+    train, heldout = write_corpus(root / "corpus")
+    return root, model, train, heldout
+
+
+def run_overrides(inputs, out: Path, *extra: str) -> list[str]:
+    """base_overrides for the model and corpus of `training_inputs`, plus `extra`."""
+    root, model, train, heldout = inputs
+    return base_overrides(model, out, train, heldout, root / "cache") + list(extra)
+
+
 def run_inprocess(overrides: list[str]):
     """One training run in this process (world size 1, DeepSpeed initialised once per process)."""
     import torch

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_helpers import REPO, base_overrides, free_port, make_model_dir, python, run_cli, write_corpus
+from test_train_helpers import REPO, free_port, python, run_cli, training_inputs
+from test_train_helpers import run_overrides as overrides
 
 from r2lm import R2LMForDiffusionLM
 from r2lm.diffusion import compute_loss
@@ -28,15 +29,8 @@ DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    model = make_model_dir(root / "model")
-    train, heldout = write_corpus(root / "corpus")
-    return root, model, train, heldout
+    return training_inputs(tmp_path_factory.mktemp("launch"))
 
-
-def overrides(inputs, out, *extra):
-    root, model, train, heldout = inputs
-    return base_overrides(model, out, train, heldout, root / "cache") + list(extra)
 
 
 def launch(items, timeout=240):

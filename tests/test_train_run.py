@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from test_train_helpers import base_overrides, make_model_dir, run_inprocess, write_corpus
+from test_train_helpers import run_inprocess, training_inputs
+from test_train_helpers import run_overrides as overrides
 
 from convert.__main__ import main as convert_main
 from r2lm import R2LMForDiffusionLM
@@ -19,15 +20,8 @@ from train.tracking import read_metrics
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run")
-    model = make_model_dir(root / "model")
-    train, heldout = write_corpus(root / "corpus")
-    return root, model, train, heldout
+    return training_inputs(tmp_path_factory.mktemp("run"))
 
-
-def overrides(inputs, out, *extra):
-    root, model, train, heldout = inputs
-    return base_overrides(model, out, train, heldout, root / "cache") + list(extra)
 
 
 def weights(folder):
