@@ -16,11 +16,10 @@ import csv
 import gzip
 import importlib.util
 import json
+import pydoc_data.topics
 import re
 from collections import defaultdict
 from pathlib import Path
-
-import pydoc_data.topics
 
 from eval.downstream import stdlib_root, stdlib_split
 

@@ -149,7 +149,7 @@ def plot(results: list[dict], path: Path, batches, lengths) -> None:
 
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     present = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
-    for ax, batch in zip(axes[0], batches):
+    for ax, batch in zip(axes[0], batches, strict=True):
         for name in present:
             ys = [next((r["tokens_per_s"] for r in results if r["variant"] == name and r["batch"] == batch
                         and r["prompt"] == length), float("nan")) for length in lengths]

@@ -94,7 +94,7 @@ class KVCache:
         if self.length:
             raise ValueError("load() needs an empty cache")
         self.check_room(length)
-        for layer, (k, v) in enumerate(zip(keys, values)):
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             if self.key[layer] is not None:
                 self.key[layer][:, :, :length] = k
                 self.value[layer][:, :, :length] = v
@@ -107,7 +107,7 @@ class KVCache:
 
     def states(self) -> list:
         """A copy of every hybrid layer's (S, Z) (None for softmax layers): a checkpoint of the recurrent part."""
-        return [None if S is None else (S.clone(), Z.clone()) for S, Z in zip(self.S, self.Z)]
+        return [None if S is None else (S.clone(), Z.clone()) for S, Z in zip(self.S, self.Z, strict=True)]
 
     def place_row(self, row: int, source: KVCache) -> None:
         """Copy the only row of `source` into `row`, right-aligned at this cache's length (left padding)."""

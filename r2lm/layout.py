@@ -149,7 +149,7 @@ class Layout:
             raise ValueError("the columns of a window must be contiguous")
         width = int(counts.max())
         out = torch.full((len(ids), width), -1, dtype=torch.long, device=cols.device)
-        for w, (piece, n) in enumerate(zip(cols.split(counts.tolist()), counts.tolist())):
+        for w, (piece, n) in enumerate(zip(cols.split(counts.tolist()), counts.tolist(), strict=True)):
             out[w, width - n :] = piece
         return out
 

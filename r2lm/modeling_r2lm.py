@@ -12,14 +12,14 @@ state dict loads by name; the sidecar of layer N lives under `model.layers.N.sid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
-
-from dataclasses import dataclass
 
 from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig

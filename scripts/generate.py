@@ -41,7 +41,7 @@ def main() -> None:
     )
     seconds = time.perf_counter() - start
     if streamer is None:
-        for prompt, row in zip(args.prompt, out.sequences[:, batch.input_ids.shape[1] :]):
+        for prompt, row in zip(args.prompt, out.sequences[:, batch.input_ids.shape[1] :], strict=True):
             print(f"{prompt!r} -> {tokenizer.decode(row, skip_special_tokens=True)!r}")
     print(
         f"\n[{out.new_tokens} tokens in {seconds:.2f} s: {out.nfe} forwards, {out.tokens_per_step:.2f} tokens per "

@@ -6,10 +6,9 @@ Writes OUT_DIR/train.txt and OUT_DIR/heldout.txt (paragraphs separated by blank 
 """
 
 import argparse
+import pydoc_data.topics
 import re
 from pathlib import Path
-
-import pydoc_data.topics
 
 
 def paragraphs(text: str) -> list[str]:

@@ -121,7 +121,7 @@ def sidecars_active(model) -> bool:
 def decode_blocks(model, r: Request) -> GenerateOutput:
     ids, mask = r.input_ids, r.attention_mask
     batch, prompt_len = ids.shape
-    n_new, b, mask_id = r.max_new_tokens, r.block_size, r.mask_id
+    n_new = r.max_new_tokens
     shift = model.config.prediction == "shift"
     fuse = r.use_cache and shift and not sidecars_active(model)
     nfe = steps = 0
@@ -129,7 +129,7 @@ def decode_blocks(model, r: Request) -> GenerateOutput:
     head, head_mask = (ids[:, :-1], mask[:, :-1]) if shift else (ids, mask)
     pinned = []
     if r.prefix_cache is not None:  # rows resume from their cached prefixes
-        rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask)]
+        rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
         cache, pinned, nfe = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + n_new)
         context = CachedContext(model, cache)
     elif r.use_cache:

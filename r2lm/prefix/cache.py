@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import torch
-
 from r2lm.cache import cache_signature
 from r2lm.prefix.eviction import make_policy
 from r2lm.prefix.placement import DepthHistogram, place_checkpoints
