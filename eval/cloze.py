@@ -4,7 +4,7 @@
 
 Each item takes a stretch of a held-out document: `--context` tokens of context, then the true continuation of
 `--answer` tokens against `--choices - 1` distractors, continuations of the same length cut from other held-out
-documents. A model scores log p(choice | context) with eval.likelihood.score_choices (exact next-token sums for
+documents. A model scores log p(choice | context) with r2lm.scoring.score_choices (exact next-token sums for
 the AR baseline, LLaDA's Monte-Carlo estimator for diffusion variants) and picks the best; accuracy is the share
 of items it gets right (chance: 1 / choices). Items are deterministic for a seed, so every variant answers the
 same questions: a held-out stand-in for the multiple-choice benchmarks of the paper, which need the hub.
@@ -19,7 +19,8 @@ import random
 import torch
 from tqdm import tqdm
 
-from eval.likelihood import eval_mode, load_model, read_texts, score_choices, write_result
+from eval.likelihood import eval_mode, load_model, read_texts, write_result
+from r2lm.scoring import score_choices
 
 logger = logging.getLogger("eval.cloze")
 

@@ -10,8 +10,8 @@ tokens), the same text for every variant (`infill_items` depends on the tokenize
 fills the span; we report exact match of the whole span and token accuracy. How each kind of model reads the
 right context follows from where it can reach the span (DESIGN 1.1, 2.1):
 
-- block models (causal / block_causal, with or without sidecars): the left context is the prompt (prefilled
-  as clean, cached context, sidecar off). The span and the right context form the active window(s) that come
+- block models (causal / block_causal, with or without sidecars): `r2lm.generate` with the right context as
+  `suffix_ids`. The left context is the prompt (prefilled as clean, cached context, sidecar off). The span and the right context form the active window(s) that come
   next: under `shift` the window is [x_{a-1}, [MASK] * m, right context], its column p predicting token p + 1;
   under `inplace` it is [[MASK] * m, right context]. The right-context tokens are clean *inputs* of the window,
   never decoded. This is the only place a clean token can reach a masked one from its right: the reverse
@@ -24,7 +24,7 @@ right context follows from where it can reach the span (DESIGN 1.1, 2.1):
   window committed (clean, sidecar off) before the next, as `generate` does. A clean token in a window is an
   ordinary pattern of block-diffusion training (a block noised at ratio t < 1).
 - single-stream models (bidirectional): one canvas [left ; [MASK] * m ; right], every position sees every
-  other; the span is filled by LLaDA-style iterative unmasking without a cache.
+  other; the span is filled by LLaDA-style iterative unmasking without a cache (`generate`, one block).
 - the AR model: left context only; greedy decoding of m tokens (`generate` with block size 1).
 
 Unmasking is the confidence-threshold rule of the generator (Fast-dLLM: every masked position whose max-prob
@@ -62,22 +62,11 @@ import torch
 from tqdm import tqdm
 
 from eval.likelihood import MODES, describe, eos_of, eval_mode, load_model, read_texts, write_result
-from r2lm.generation.sampling import propose, select
+from r2lm import generate
 
 logger = logging.getLogger("eval.downstream")
 
 CODE_STOPS = ["\ndef ", "\nclass ", "\n@", "\nasync def ", "\nif __name__", "\n\n\n\n"]
-
-
-# ---------------------------------------------------------------------------------------------- unmasking
-
-
-def unmask(logits: torch.Tensor, masked: torch.Tensor, mask_id: int, threshold: float):
-    """Greedy tokens [B, L] and which masked positions take them now (threshold rule, >= 1 per row)."""
-    logits = logits.float().clone()
-    logits[..., mask_id] = float("-inf")
-    tokens, conf = propose(logits)
-    return tokens, select(conf, masked, threshold=threshold)
 
 
 # ---------------------------------------------------------------------------------------------- infilling
@@ -120,71 +109,16 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def infill_block(model, left, left_mask, span_length: int, right, threshold: float = 0.9, block_size: int | None = None):
-    """Fill [MASK] * span_length between left context (cached prompt) and right context (clean window inputs) of a
-    block model; see the module docstring. left [B, P] left-padded, right [B, r]. Returns (span [B, m], forwards)."""
-    config = model.config
-    mask_id, b = config.mask_token_id, block_size or config.block_size
-    o = int(config.prediction == "shift")
-    batch, m = left.shape[0], span_length
-    seg = torch.cat([torch.full((batch, m), mask_id, dtype=torch.long, device=left.device), right], 1)
-    cache = model.new_cache(batch, left.shape[1] + seg.shape[1] + 1)
-    head, head_mask = (left[:, :-1], left_mask[:, :-1]) if o else (left, left_mask)
-    nfe = 0
-    if head.shape[1]:
-        model.prefill(head, cache, attention_mask=head_mask)
-        nfe += 1
-    # The input columns the windows tile: [x_{a-1}, span, right] under shift (column c holds segment token c - 1
-    # and predicts segment token c), [span, right] under inplace (column c holds and predicts token c). Without
-    # right context the last span token is no input under shift (it is the block's last token), so the windows
-    # are exactly those of `generate` for a block of m tokens.
-    columns = seg.shape[1] + o - int(o and right.shape[1] == 0)
-
-    def inputs(s, e):
-        return torch.cat([left[:, -1:], seg], 1)[:, s:e] if o else seg[:, s:e]
-
-    for s in range(0, columns, b):
-        if s >= m:  # the remaining windows hold right context only: nothing left to fill
-            break
-        e, stop = min(s + b, columns), min(s + b, m)
-        while True:
-            masked = seg[:, s:stop] == mask_id
-            if not bool(masked.any()):
-                break
-            logits = model.denoise(inputs(s, e), cache)[:, : stop - s]
-            nfe += 1
-            tokens, take = unmask(logits, masked, mask_id, threshold)
-            seg[:, s:stop][take] = tokens[take]
-        if stop < m:  # more span in the next window: commit this one (clean, sidecar off)
-            model.commit(inputs(s, e), cache)
-            nfe += 1
-    return seg[:, :m], nfe
-
-
-@torch.no_grad()
-def infill_single(model, left, left_mask, span_length: int, right, threshold: float = 0.9):
-    """Fill the span of a single-stream (bidirectional) model: canvas [left ; MASK * m ; right], no cache."""
-    config = model.config
-    mask_id, o = config.mask_token_id, int(config.prediction == "shift")
-    batch, P, m = left.shape[0], left.shape[1], span_length
-    span = torch.full((batch, m), mask_id, dtype=torch.long, device=left.device)
-    mask = torch.cat([left_mask, torch.ones(batch, m + right.shape[1], dtype=left_mask.dtype, device=left.device)], 1)
-    nfe = 0
-    while bool((span == mask_id).any()):
-        canvas = torch.cat([left, span, right], 1)
-        logits = model(canvas, attention_mask=mask).logits[:, P - o : P - o + m]
-        nfe += 1
-        tokens, take = unmask(logits, span == mask_id, mask_id, threshold)
-        span[take] = tokens[take]
-    return span, nfe
-
-
-@torch.no_grad()
-def infill_ar(model, left, left_mask, span_length: int):
-    """The AR variant: left context only, greedy, exactly span_length tokens (no EOS stop)."""
-    from r2lm import generate
-
-    out = generate(model, left, left_mask, max_new_tokens=span_length, block_size=1, threshold=1.0, eos_token_id=[])
+def infill(model, left, left_mask, span_length: int, right, mode: str, threshold: float = 0.9,
+           block_size: int | None = None):
+    """Fill span_length tokens after the left context (left-padded [B, P]) and before the right context [B, r]
+    with r2lm.generate (`suffix_ids`: the right context is clean input of the windows it falls in, see the module
+    docstring); the AR variant reads the left context only. Returns (span [B, m], forwards)."""
+    if mode == "ar":
+        options = dict(block_size=1, threshold=1.0)
+    else:  # single-stream models fill the whole span in one block, as LLaDA without semi-AR blocks
+        options = dict(block_size=span_length if mode == "single" else block_size, threshold=threshold, suffix_ids=right)
+    out = generate(model, left, left_mask, max_new_tokens=span_length, eos_token_id=[], **options)
     return out.sequences[:, left.shape[1] :], out.nfe
 
 
@@ -211,12 +145,7 @@ def run_infilling(model, tokenizer, texts: list[str], mode: str = "auto", span_l
             chunk = group[first : first + batch_size]
             left, left_mask = _left_pad([it["left"] for it in chunk], pad, device)
             right = torch.tensor([it["right"] for it in chunk], dtype=torch.long, device=device).reshape(len(chunk), -1)
-            if mode == "block":
-                pred, f = infill_block(model, left, left_mask, m, right, threshold, b)
-            elif mode == "single":
-                pred, f = infill_single(model, left, left_mask, m, right, threshold)
-            else:
-                pred, f = infill_ar(model, left, left_mask, m)
+            pred, f = infill(model, left, left_mask, m, right, mode, threshold, b)
             nfe += f
             ref = torch.tensor([it["span"] for it in chunk], device=device)
             hits = pred == ref
@@ -356,8 +285,6 @@ def run_code_completion(model, tokenizer, mode: str = "auto", seed: int = 0, hel
                         max_functions: int | None = 200, max_new_tokens: int = 128, first_lines: int = 0,
                         batch_size: int = 8, threshold: float = 0.9, block_size: int | None = None, root=None,
                         max_body_tokens: int | None = None, examples: int = 3, progress: bool = True) -> dict:
-    from r2lm import generate
-
     mode = eval_mode(model, mode)
     b = 1 if mode == "ar" else (block_size or model.config.block_size)
     eos = eos_of(tokenizer, model)

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from eval import likelihood as lk
+from r2lm import scoring
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -81,7 +82,7 @@ class R2LMEvalLM(TemplateLM):
         if isinstance(tokenizer, str) or tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(pretrained))
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.mode = lk.eval_mode(model, mode)
+        self.mode = scoring.eval_mode(model, mode)
         self.mc_num = int(mc_num)
         # lm-eval's --batch_size (default 1) batches generate_until prompts; the estimator batches its own samples
         bs = None if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
@@ -91,7 +92,7 @@ class R2LMEvalLM(TemplateLM):
         self.threshold = float(threshold)
         self.greedy_check = _flag(greedy_check)
         self.seed = int(seed)
-        self.caches = lk.ContextCache()  # block models: a context's KV cache, shared by its choices
+        self.caches = scoring.ContextCache()  # block models: a context's KV cache, shared by its choices
         self._max_length = int(max_length or model.config.max_position_embeddings)
         self._device = model.device
         eos = lk.eos_of(tokenizer, model)
@@ -127,11 +128,10 @@ class R2LMEvalLM(TemplateLM):
         if len(continuation) > self.max_length - 1:
             raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in max_length {self.max_length}")
         context = context[-(self.max_length - len(continuation)) :]
-        ll = lk.answer_loglikelihood(self.model, context, continuation, mode=self.mode, mc_num=self.mc_num,
-                                     batch_size=self.mc_batch_size, block_size=self.block_size, seed=self.seed,
-                                     caches=self.caches)
-        is_greedy = greedy and lk.greedy_reproduces(self.model, context, continuation, self.mode, self.block_size,
-                                                    caches=self.caches)
+        ll = scoring.answer_loglikelihood(self.model, context, continuation, mode=self.mode, mc_num=self.mc_num,
+                                          batch_size=self.mc_batch_size, block_size=self.block_size, seed=self.seed,
+                                          caches=self.caches)
+        is_greedy = greedy and scoring.greedy_reproduces(self.model, context, continuation, self.mode, self.block_size)
         return ll, bool(is_greedy)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:

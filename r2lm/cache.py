@@ -7,7 +7,8 @@ offsets, and `next_position` holds each row's next RoPE position (its count of r
 A forward over the cache writes its own keys and values into the scratch columns [length, length + T) and
 attends over [0, length + T): no concatenation, no reallocation. Only `advance` (called by prefill / commit)
 moves `length`, so a denoise step leaves the committed part untouched and its scratch is simply overwritten
-by the next forward.
+by the next forward. A forward may also commit only its leading columns (a finished block read together with
+the next window): it advances by those, and the window's scratch is overwritten in turn.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class KVCache:
         self.S = [None if s else torch.zeros(state, dtype=torch.float32, device=device) for s in softmax]
         self.Z = [None if s else torch.zeros(state[:-1], dtype=torch.float32, device=device) for s in softmax]
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        self.columns = torch.arange(max_length, device=device)  # sliced into each forward's write positions
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
         # Only for Fast-dLLM's approximate dual cache on bidirectional models: columns [length + T, stale_end)
@@ -55,13 +57,13 @@ class KVCache:
                 f"KVCache overflow: {self.length} cached + {num_tokens} new tokens exceed its max_length {self.max_length}"
             )
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """Write key/value [B, Hkv, T, d] into the scratch columns; return keys and values over [0, length + T)."""
-        end = self.length + key.shape[2]
-        self.key[layer_idx][:, :, self.length : end] = key
-        self.value[layer_idx][:, :, self.length : end] = value
-        stop = max(end, self.stale_end)
-        return self.key[layer_idx][:, :, :stop], self.value[layer_idx][:, :, :stop]
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, keys: int):
+        """Write key/value [B, Hkv, T, d] into cache columns `columns` [T] (the scratch after the committed part);
+        return keys and values over columns [0, keys). The positions come in as a tensor, so a compiled step
+        does not depend on the cache's length."""
+        self.key[layer_idx].index_copy_(2, columns, key)
+        self.value[layer_idx].index_copy_(2, columns, value)
+        return self.key[layer_idx][:, :, :keys], self.value[layer_idx][:, :, :keys]
 
     def state(self, layer_idx: int):
         """(S, Z) of a block-hybrid layer: the linear-attention sums over every committed token."""
@@ -81,8 +83,14 @@ class KVCache:
         start = self.length + num_tokens
         return self.valid[:, start : self.stale_end] if self.stale_end > start else None
 
-    def advance(self, valid: torch.Tensor) -> None:
-        """Commit the columns just written: valid [B, T] marks real tokens (False for padding)."""
+    def advance(self, valid: torch.Tensor | int) -> None:
+        """Commit the columns just written: valid [B, T] marks real tokens (False for padding), or an int T when
+        all of them are real."""
+        if isinstance(valid, int):
+            self.valid[:, self.length : self.length + valid] = True
+            self.next_position += valid
+            self.length += valid
+            return
         end = self.length + valid.shape[1]
         self.valid[:, self.length : end] = valid
         self.next_position += valid.sum(dim=1)

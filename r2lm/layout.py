@@ -32,6 +32,8 @@ class Layout:
     chunks: torch.Tensor  # long [T], or [B, T] when rows are chunked differently (a prompt on each row's grid)
     noisy: torch.Tensor  # bool [T]: column belongs to an active window
     valid: torch.Tensor | None = None  # bool [B, T]: False for padding; None when every column is real
+    # The windows' columns when the builder knows them (see `windows`); None: derived from noisy and chunks.
+    window_columns: torch.Tensor | slice | None = None
 
     def __post_init__(self):
         T = self.chunks.shape[-1]
@@ -71,6 +73,7 @@ class Layout:
             chunks=chunks,
             noisy=torch.full((T,), noisy, dtype=torch.bool, device=valid.device),
             valid=None if bool(valid.all()) else valid,
+            window_columns=slice(0, T) if noisy else None,
         )
 
     @classmethod
@@ -81,11 +84,20 @@ class Layout:
         if any(lay.valid is not None for lay in layouts):
             valid = torch.cat([lay.valid_mask(batch) for lay in layouts], dim=1)
         per_row = any(lay.chunks.dim() == 2 for lay in layouts)
+        windows, offset = [], 0
+        for lay in layouts:  # each part's windows, moved to where the part starts
+            part = lay.windows
+            if isinstance(part, slice):
+                windows.append(slice(part.start + offset, part.stop + offset))
+            elif part is not None:
+                windows += [row[row >= 0] + offset for row in part]
+            offset += lay.length
         return cls(
             positions=torch.cat([lay.positions.expand(batch, -1) for lay in layouts], dim=1),
             chunks=torch.cat([lay.chunks.expand(batch, -1) if per_row else lay.chunks for lay in layouts], dim=-1),
             noisy=torch.cat([lay.noisy for lay in layouts]),
             valid=valid,
+            window_columns=windows[0] if len(windows) == 1 and isinstance(windows[0], slice) else _right_aligned(windows),
         )
 
     def valid_mask(self, batch: int) -> torch.Tensor:
@@ -134,8 +146,13 @@ class Layout:
         return allowed[:, None]
 
     @cached_property
-    def windows(self) -> torch.Tensor | None:
-        """[W, Lw] column indices of each window (the noisy columns of one chunk), right-aligned, -1 padded."""
+    def windows(self) -> torch.Tensor | slice | None:
+        """The sidecar's scope: the columns of each window (the noisy columns of one chunk). A slice when there is
+        one window of contiguous columns; else [W, Lw] column indices, right-aligned, -1 padded; None: no window.
+
+        Builders that know them pass `window_columns` (arithmetic, no host sync); otherwise they are derived here."""
+        if self.window_columns is not None:
+            return self.window_columns
         cols = torch.nonzero(self.noisy).flatten()
         if cols.numel() == 0:
             return None
@@ -157,6 +174,17 @@ class Layout:
     def is_plain(self) -> bool:
         """One clean chunk with no padding: the mask is plain causal (or empty), so SDPA can take a fast path."""
         return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks.flatten()[0]).all())
+
+
+def _right_aligned(windows: list) -> torch.Tensor | None:
+    """[W, Lw] from a list of windows (slices or 1-D column tensors), right-aligned, -1 padded; None if empty."""
+    if not windows:
+        return None
+    rows = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w for w in windows]
+    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([torch.full((width - len(r),), -1, dtype=torch.long, device=device), r.to(device)])
+                        for r in rows])
 
 
 def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction: str):
@@ -184,10 +212,21 @@ def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction:
     win_inputs = xt[:, win_pos]
     if offset:  # each window opens with the last clean token before its block
         win_inputs = torch.where((win_pos + 1) % block_size == 0, x0[:, win_pos], win_inputs)
+    # Window w (block w + 1; block 0 is context) holds columns [w*b, min((w+1)*b, L - b)) of the input: every
+    # window has block_size columns but maybe the last. Right-aligned and -1 padded, as Layout.windows.
+    count = -(-length // block_size) - 1
+    windows = None
+    if count > 0:
+        starts = torch.arange(count, device=device) * block_size
+        ends = (starts + block_size).clamp(max=length - block_size)
+        width = min(block_size, length - block_size)
+        cols = ends[:, None] - width + torch.arange(width, device=device)
+        windows = torch.where(cols >= starts[:, None], cols, -1)
     layout = Layout(
         positions=torch.cat([win_pos, pos])[None],
         chunks=torch.cat([chunk_of[win_pos], chunk_of]),
         noisy=torch.cat([torch.ones_like(win_pos, dtype=torch.bool), torch.zeros_like(pos, dtype=torch.bool)]),
+        window_columns=windows,
     )
     target = torch.cat([win_pos + offset, torch.full_like(pos, -1)])
     return torch.cat([win_inputs, x0], dim=1), layout, target

@@ -6,6 +6,13 @@ One forward computes logits for a layout (r2lm.layout). Three uses of it:
     model.prefill / model.commit          clean tokens appended to a KVCache, no sidecar
     model.denoise                         one window read against the cache, sidecar on, cache unchanged
 
+Everything the layers need from a layout (RoPE tables, attention masks, the sidecar's windows, where keys go in
+the cache) is derived once per forward into a ForwardPlan; a decoder that runs many forwards of one shape builds
+its plans from masks it keeps (r2lm.generation.window) and passes them as `plan=`.
+
+The stack composes: `model.model(hidden_states=h, plan=plan, layers=range(a, b), norm=False)` runs layers a..b-1
+only, so a caller can run part of the model, change the hidden states and go on (r2lm.prefix.bicache).
+
 Parameter names are transformers' (`model.layers.N.self_attn.q_proj.weight`, ...), so a Qwen3 / Qwen2 / Llama
 state dict loads by name; the sidecar of layer N lives under `model.layers.N.sidecar.*`.
 """
@@ -15,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
+from transformers.utils import ModelOutput
 
 from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
@@ -27,17 +36,28 @@ from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, Rever
 from r2lm.layout import Layout
 
 
-@dataclass
-class AttentionPlan:
-    """How the layers of one forward attend, derived once from the layout."""
+@dataclass(frozen=True, eq=False)
+class ForwardPlan:
+    """What every layer of one forward needs from its layout, derived once before the layers run; never mutated."""
 
-    mask: torch.Tensor | None  # softmax layers: [B or 1, 1, T, keys] or None with is_causal / no mask
-    is_causal: bool
+    cos: torch.Tensor  # [B or 1, T, rotary dims]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # softmax layers: bool (True = attend) or additive float, [B or 1, 1, T, keys]
+    is_causal: bool = False  # no mask tensor: SDPA's own causal kernel (True) or no mask at all (False)
     own: torch.Tensor | None = None  # block-hybrid layers: softmax part [B or 1, 1, T, T]
     earlier: torch.Tensor | None = None  # block-hybrid layers: linear part [B or 1, 1, T, T]
     valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
-    commit: bool = False  # the input is appended to the cache
-    transfer: list | None = None  # attention transfer: hybrid layers append their MSE to the softmax teacher
+    windows: torch.Tensor | slice | None = None  # the sidecar's scope (see ReverseSidecar.forward); None: no sidecar
+    columns: torch.Tensor | None = None  # with a cache: the cache columns this input's keys and values are written to
+    keys: int = 0  # with a cache: attention reads cache columns [0, keys)
+    commit: int = 0  # leading columns appended to the cache by this forward (block-hybrid layers fold their keys)
+    transfer: bool = False  # attention transfer: hybrid layers also score themselves against their softmax teacher
+
+
+@dataclass
+class R2LMModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+    attention_transfer: torch.Tensor | None = None  # [hybrid layers run] MSE to the softmax teacher (transfer plans)
 
 
 class R2LMDecoderLayer(GradientCheckpointingLayer):
@@ -49,54 +69,15 @@ class R2LMDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.sidecar = ReverseSidecar(config) if layer_idx in config.sidecar_layers else None
 
-    def forward(self, h, cos, sin, plan, cache=None, windows=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, plan, cache)
+    def forward(self, h, plan: ForwardPlan, cache=None):
+        """(h, attention-transfer MSE or None). The MSE is an output, not a side effect, so gradient checkpointing
+        (which runs the forward again in the backward) cannot count it twice."""
+        out, mse = self.self_attn(self.input_layernorm(h), plan, cache)
+        h = h + out
         h = h + self.mlp(self.post_attention_layernorm(h))
-        if self.sidecar is not None and windows is not None:
-            h = self.sidecar(h, windows)
-        return h
-
-
-class R2LMModel(nn.Module):
-    def __init__(self, config: R2LMConfig):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
-        self.layers = nn.ModuleList(R2LMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
-
-    def forward(self, input_ids: torch.Tensor, layout: Layout, cache: KVCache | None = None, commit: bool = False,
-                transfer: list | None = None):
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(h, layout.positions)
-        plan = self.plan(layout, cache, commit)
-        if transfer is not None:
-            if cache is not None:
-                raise ValueError("attention transfer runs on a full layout, without a cache")
-            plan.transfer, plan.mask, plan.is_causal = transfer, layout.attention_mask(self.config.attention), False
-        windows = layout.windows if self.config.sidecar_layers else None
-        for layer in self.layers:
-            h = layer(h, cos, sin, plan, cache, windows)
-        return self.norm(h)
-
-    def plan(self, layout: Layout, cache: KVCache | None, commit: bool) -> AttentionPlan:
-        kind = self.config.attention
-        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
-        plain = cache is None and layout.is_plain
-        if len(self.config.hybrid_layers) == self.config.num_hidden_layers:
-            mask = None
-        elif plain:
-            mask = None
-        elif cache is None:
-            mask = layout.attention_mask(kind)
-        else:
-            mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
-        plan = AttentionPlan(mask, plain and kind == "causal", valid=layout.valid, commit=commit)
-        if self.config.hybrid_layers:
-            own, earlier = layout.mask_parts(kind)
-            plan.own, plan.earlier = own[:, None], earlier[:, None]
-        return plan
+        if self.sidecar is not None and plan.windows is not None:
+            h = self.sidecar(h, plan.windows)
+        return h, mse
 
 
 class R2LMPreTrainedModel(PreTrainedModel):
@@ -119,7 +100,73 @@ class R2LMPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
 
 
-class R2LMForDiffusionLM(R2LMPreTrainedModel):
+class R2LMModel(R2LMPreTrainedModel):
+    """The decoder stack without the LM head (what `AutoModel` loads)."""
+
+    def __init__(self, config: R2LMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
+        self.layers = nn.ModuleList(R2LMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids: torch.Tensor | None = None, plan: ForwardPlan | None = None,
+                cache: KVCache | None = None, *, layout: Layout | None = None, hidden_states: torch.Tensor | None = None,
+                layers: range | None = None, norm: bool = True) -> R2LMModelOutput:
+        """Hidden states [B, T, hidden] of `input_ids` (or of `hidden_states`, the residual stream entering
+        `layers`) under `plan` (or the plan of `layout`, default: one clean span). `layers`: the range of layer
+        indices to run (default all); `norm=False` skips the final norm, to continue with another range."""
+        if (input_ids is None) == (hidden_states is None):
+            raise ValueError("give exactly one of input_ids and hidden_states")
+        h = self.embed_tokens(input_ids) if input_ids is not None else hidden_states
+        if plan is None:
+            plan = self.plan(layout if layout is not None else Layout.span(torch.ones(h.shape[:2], device=h.device)),
+                             cache)
+        transfer = []
+        for layer in self.layers[slice(layers.start, layers.stop) if layers is not None else slice(None)]:
+            h, mse = layer(h, plan, cache)
+            if mse is not None:
+                transfer.append(mse)
+        return R2LMModelOutput(self.norm(h) if norm else h, torch.stack(transfer) if transfer else None)
+
+    def plan(self, layout: Layout, cache: KVCache | None = None, commit: int = 0, transfer: bool = False) -> ForwardPlan:
+        """The ForwardPlan of `layout`, read against `cache` when given; `commit` leading columns are appended to it."""
+        kind, config = self.config.attention, self.config
+        if transfer and cache is not None:
+            raise ValueError("attention transfer runs on a full layout, without a cache")
+        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
+        plain = cache is None and layout.is_plain and not transfer
+        if len(config.hybrid_layers) == config.num_hidden_layers and not transfer:
+            mask = None
+        elif plain:
+            mask = None
+        elif cache is None:
+            mask = layout.attention_mask(kind)
+        else:
+            mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
+        own = earlier = None
+        if config.hybrid_layers:
+            own, earlier = (m[:, None] for m in layout.mask_parts(kind))
+        cos, sin = self.rotary_emb(self.embed_tokens.weight, layout.positions)
+        columns = keys = None
+        if cache is not None:
+            columns = cache.columns[cache.length : cache.length + layout.length]
+            keys = max(cache.length + layout.length, cache.stale_end)
+        return ForwardPlan(
+            cos=cos, sin=sin, mask=mask, is_causal=plain and kind == "causal", own=own, earlier=earlier,
+            valid=layout.valid, windows=layout.windows if config.sidecar_layers else None, columns=columns,
+            keys=keys or 0, commit=commit, transfer=transfer,
+        )
+
+
+class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: R2LMConfig):
@@ -127,6 +174,9 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         self.model = R2LMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        from r2lm.generation.options import decoding_generation_config
+
+        self.generation_config = decoding_generation_config(config, self.generation_config)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -141,38 +191,75 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         layout: Layout | None = None,
         cache: KVCache | None = None,
         update_cache: bool = False,
-        logits_to_keep: int | torch.Tensor = 0,
-        **unused,
+        logits_to_keep: int | torch.Tensor | slice = 0,
+        labels: torch.Tensor | None = None,
+        plan: ForwardPlan | None = None,
+        return_dict: bool | None = None,
+        **unsupported,
     ) -> CausalLMOutput:
         """Logits [B, T, vocab] for `input_ids` [B, T]; `logits_to_keep` (transformers' convention) limits them to
-        the last k columns (an int k > 0) or to the given column indices (a tensor).
+        the last k columns (an int k > 0), to the given column indices (a tensor) or to a slice of columns.
 
         Without a layout the input is one clean chunk: causal for a causal model (a plain LM forward, positions
         from the left-padded `attention_mask`), fully visible for block_causal and bidirectional models. With a
         cache, its committed tokens precede the input; `update_cache=True` appends the input to it, which is
-        only exact for clean tokens."""
+        only exact for clean tokens. `plan`: a prebuilt ForwardPlan instead of a layout (decoders); its `commit`
+        leading columns are appended to the cache.
+
+        `labels` [B, T] (-100 = ignored) gives `loss`: the cross-entropy of each labelled token under the model's
+        prediction convention (`shift`: logits at t - 1 predict token t, as transformers' causal LMs; `inplace`:
+        logits at t predict token t, as a masked LM on [MASK] inputs). Diffusion objectives: r2lm.diffusion."""
+        if unsupported:
+            raise TypeError(
+                f"R2LMForDiffusionLM.forward does not take {sorted(unsupported)}: it reads and writes an explicit "
+                "cache (cache=model.new_cache(...)), and positions come from attention_mask or layout"
+            )
+        if return_dict is False:
+            raise ValueError("return_dict=False is not supported: the forward returns a CausalLMOutput")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length] with length > 0, got {tuple(input_ids.shape)}")
-        if layout is None:
-            if attention_mask is None:
-                attention_mask = torch.ones_like(input_ids)
-            start = cache.next_position if cache is not None else 0
-            layout = Layout.span(attention_mask, start=start)
-        if layout.length != input_ids.shape[1]:
-            raise ValueError(f"layout has {layout.length} columns but input_ids has {input_ids.shape[1]}")
+        if plan is not None and (layout is not None or attention_mask is not None or update_cache):
+            raise ValueError("a prebuilt plan replaces layout, attention_mask and update_cache")
+        if plan is None:
+            if layout is None:
+                if attention_mask is None:
+                    attention_mask = torch.ones_like(input_ids)
+                start = cache.next_position if cache is not None else 0
+                layout = Layout.span(attention_mask, start=start)
+            if layout.length != input_ids.shape[1]:
+                raise ValueError(f"layout has {layout.length} columns but input_ids has {input_ids.shape[1]}")
+            if update_cache and (cache is None or bool(layout.noisy.any())):
+                raise ValueError("update_cache needs a cache and a layout of clean tokens only (windows are never cached)")
+        if labels is not None:
+            self._check_labels(labels, input_ids, layout, logits_to_keep)
         if cache is not None:
             self._check_cache(cache, input_ids)
-        if update_cache and (cache is None or bool(layout.noisy.any())):
-            raise ValueError("update_cache needs a cache and a layout of clean tokens only (windows are never cached)")
-        h = self.model(input_ids, layout, cache, commit=update_cache)
-        if update_cache:
-            cache.advance(layout.valid_mask(input_ids.shape[0]))
-        if isinstance(logits_to_keep, torch.Tensor):
+        if plan is None:
+            plan = self.model.plan(layout, cache, commit=layout.length if update_cache else 0)
+        h = self.model(input_ids, plan, cache).last_hidden_state
+        if plan.commit:
+            valid = plan.valid[:, : plan.commit] if plan.valid is not None else plan.commit
+            cache.advance(valid)
+        if isinstance(logits_to_keep, torch.Tensor | slice):
             h = h[:, logits_to_keep]
         elif logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
-        return CausalLMOutput(logits=logits)
+        loss = None if labels is None else self._loss(logits, labels)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def _check_labels(self, labels, input_ids, layout, logits_to_keep) -> None:
+        if layout is not None:
+            raise ValueError("labels need a plain sequence (no layout); diffusion losses are in r2lm.diffusion")
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if not isinstance(logits_to_keep, int) or logits_to_keep:
+            raise ValueError("labels score every column: they do not combine with logits_to_keep")
+
+    def _loss(self, logits, labels) -> torch.Tensor:
+        if self.config.prediction == "shift":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def _check_cache(self, cache: KVCache, input_ids: torch.Tensor) -> None:
         if cache.batch_size != input_ids.shape[0]:
@@ -217,11 +304,19 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
         layout = Layout.span(_ones_if_none(attention_mask, window_ids), start=cache.next_position, noisy=True)
         return self(window_ids, layout=layout, cache=cache).logits
 
-    def diffusion_generate(self, input_ids, attention_mask=None, **options):
-        """`r2lm.generate(self, ...)`: cached parallel decoding; returns a GenerateOutput."""
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
+                 **kwargs):
+        """Cached parallel decoding (r2lm.generate) with transformers' surface: options default to
+        `generation_config`, else `self.generation_config` (generation_config.json of the checkpoint: block_size,
+        threshold and the other decoding options, plus transformers' own eos_token_id, do_sample, temperature,
+        top_k, top_p, max_new_tokens), and `kwargs` override both. Returns the sequences [B, P + new], or the
+        GenerateOutput with `return_dict_in_generate=True`."""
         from r2lm.generation import generate
 
-        return generate(self, input_ids, attention_mask, **options)
+        return_dict = kwargs.pop("return_dict_in_generate", False)
+        out = generate(self, input_ids, attention_mask, generation_config=generation_config, **kwargs)
+        return out if return_dict else out.sequences
 
     # ------------------------------------------------------------------ training helpers
 
@@ -233,9 +328,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
             raise ValueError("attention transfer needs hybrid_layers (python -m convert to-hybrid ...)")
         if layout is None:
             layout = Layout.span(_ones_if_none(attention_mask, input_ids))
-        transfer = []
-        self.model(input_ids, layout, transfer=transfer)
-        return torch.stack(transfer)
+        return self.model(input_ids, self.model.plan(layout, transfer=True)).attention_transfer
 
     def freeze_backbone(self) -> list[str]:
         """Train only the sidecars and their gates (R2LM's plug-in variant). Returns the trainable names."""

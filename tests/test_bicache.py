@@ -39,14 +39,12 @@ def reference(model, prefix, rest, depth):
     alone = encode(model, prefix[None])[2]
     inner, P = model.model, prefix.numel()
     x = torch.cat([prefix, rest])[None]
-    layout = Layout.span(torch.ones_like(x))
+    plan = inner.plan(Layout.span(torch.ones_like(x)))
     h = inner.embed_tokens(x)
-    cos, sin = inner.rotary_emb(h, layout.positions)
-    plan = inner.plan(layout, None, commit=False)
     for d, layer in enumerate(inner.layers):
         if d <= depth:
             h = torch.cat([alone[d], h[:, P:]], 1)
-        h = layer(h, cos, sin, plan)
+        h, _ = layer(h, plan)
     if depth == L:
         h = torch.cat([alone[L], h[:, P:]], 1)
     return model.lm_head(inner.norm(h))[:, P:]
@@ -249,7 +247,7 @@ def test_store_refuses_other_models():
 
 
 def decode(model, prompt, **kw):
-    return generate(model, prompt, max_new_tokens=16, block_size=8, threshold=None, tokens_per_step=2, **kw)
+    return generate(model, prompt, max_new_tokens=16, block_size=8, steps=8, **kw)
 
 
 @torch.no_grad()

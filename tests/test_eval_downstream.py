@@ -28,48 +28,63 @@ def batch(rows=4, left=9, right=5, seed=0):
     return ids, mask, torch.randint(0, MASK_ID - 1, (rows, right), generator=g)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(prediction="inplace"), dict(attention="block_causal")],
-                         ids=["causal", "inplace", "block_causal"])
+def infill(model, left, mask, m, right, block_size, **options):
+    out = generate(model, left, mask, max_new_tokens=m, suffix_ids=right, block_size=block_size, threshold=0.6,
+                   eos_token_id=[], **options)
+    return out.sequences[:, left.shape[1] :]
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(prediction="inplace"), dict(attention="block_causal"),
+                                       dict(hybrid_layers=[0], hybrid_feature_dim=8)],
+                         ids=["causal", "inplace", "block_causal", "hybrid"])
 @pytest.mark.parametrize("m", [3, 7, 13])
-def test_without_right_context_block_infilling_is_generate(overrides, m):
+def test_infilling_with_the_cache_equals_recompute(overrides, m):
+    """Spans longer than a window are filled window by window; the suffix joins the windows it falls in."""
     model = peaky(sidecar_layers=[1, 3], **overrides)
-    left, mask, _ = batch()
-    span, _ = ds.infill_block(model, left, mask, m, torch.zeros(4, 0, dtype=torch.long), threshold=0.6, block_size=4)
-    want = generate(model, left, mask, max_new_tokens=m, block_size=4, threshold=0.6, eos_token_id=[]).sequences[:, 9:]
-    assert torch.equal(span, want)
+    left, mask, right = batch()
+    cached = infill(model, left, mask, m, right, 4)
+    assert torch.equal(cached, infill(model, left, mask, m, right, 4, use_cache=False))
+    assert not (cached == MASK_ID).any()
+
+
+def test_the_first_infilling_window_is_the_span_and_its_right_context():
+    """Against a window built by hand: [x_{a-1}, [MASK] * m, right] read against the prefilled left context."""
+    model = peaky(sidecar_layers=[1, 3])
+    left, mask, right = batch()
+    seen = []
+    infill(model, left, mask, 3, right, 9, step_callback=lambda s: seen.append(s.logits))
+    cache = model.new_cache(4, 32)
+    model.prefill(left[:, :-1], cache, attention_mask=mask[:, :-1])
+    window = torch.cat([left[:, -1:], torch.full((4, 3), MASK_ID), right], 1)
+    torch.testing.assert_close(seen[0], model.denoise(window, cache)[:, :3], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("m", [3, 6])
 def test_a_causal_model_without_sidecar_never_sees_the_right_context(m):
     model = peaky()
     left, mask, right = batch()
-    span, _ = ds.infill_block(model, left, mask, m, right, threshold=0.6, block_size=8)
-    other, _ = ds.infill_block(model, left, mask, m, (right + 7) % 90, threshold=0.6, block_size=8)
     want = generate(model, left, mask, max_new_tokens=m, block_size=8, threshold=0.6, eos_token_id=[]).sequences[:, 9:]
-    assert torch.equal(span, want) and torch.equal(other, want)
+    assert torch.equal(infill(model, left, mask, m, right, 8), want)
+    assert torch.equal(infill(model, left, mask, m, (right + 7) % 90, 8), want)
 
 
 def test_right_context_reaches_the_span_through_the_sidecar_and_bidirectional_attention():
     left, mask, right = batch(rows=8)
     changed = (right + 7) % 90
     r2lm = peaky(sidecar_layers=[1, 3])
-    a, _ = ds.infill_block(r2lm, left, mask, 3, right, threshold=0.6, block_size=9)
-    b, _ = ds.infill_block(r2lm, left, mask, 3, changed, threshold=0.6, block_size=9)
-    assert not torch.equal(a, b)
+    assert not torch.equal(infill(r2lm, left, mask, 3, right, 9), infill(r2lm, left, mask, 3, changed, 9))
     bidir = peaky(attention="bidirectional")
-    a, _ = ds.infill_single(bidir, left, mask, 3, right, threshold=0.6)
-    b, _ = ds.infill_single(bidir, left, mask, 3, changed, threshold=0.6)
-    assert not torch.equal(a, b)
-    # right-context tokens in a later window than the span are invisible to it (block factorisation)
-    a, _ = ds.infill_block(r2lm, left, mask, 3, right, threshold=0.6, block_size=4)
-    b, _ = ds.infill_block(r2lm, left, mask, 3, torch.cat([right[:, :0], changed], 1), threshold=0.6, block_size=4)
-    assert torch.equal(a, b)
+    assert not torch.equal(infill(bidir, left, mask, 3, right, 3), infill(bidir, left, mask, 3, changed, 3))
+    # right-context tokens in a later window than the span are invisible to it (block factorisation): with block 4
+    # the span's window [x_{a-1}, span, right_0, ..] holds no right-context token but right_0 after a 3-token span
+    moved = torch.cat([right[:, :1], changed[:, 1:]], 1)
+    assert torch.equal(infill(r2lm, left, mask, 3, right, 4), infill(r2lm, left, mask, 3, moved, 4))
 
 
 def test_single_stream_infilling_fills_every_position():
     model = peaky(attention="bidirectional", prediction="inplace")
     left, mask, right = batch()
-    span, nfe = ds.infill_single(model, left, mask, 5, right, threshold=0.99)
+    span, nfe = ds.infill(model, left, mask, 5, right, mode="single", threshold=0.99)
     assert not (span == MASK_ID).any() and 1 <= nfe <= 5
 
 

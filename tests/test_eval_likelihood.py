@@ -12,6 +12,7 @@ from conftest import MASK_ID, tiny_r2lm, tiny_tokenizer
 
 from eval import likelihood as lk
 from r2lm import generate
+from r2lm import scoring as sc
 from r2lm.diffusion import compute_loss
 
 KINDS = {
@@ -58,7 +59,7 @@ def test_block_masked_nll_equals_per_block_decoding(kind, ratio):
     scored = lk.scored_positions(x0, b, separator_id=None)
     masked = scored & (lk.position_uniforms(2, x0.shape[1], seed=0) < ratio)
     with torch.no_grad():
-        got = lk.masked_token_ce(model, x0, masked, "block", b)
+        got = sc.masked_token_ce(model, x0, masked, "block", b)
     assert torch.all(got[~masked] == 0)
     assert float(got.sum()) == pytest.approx(direct_block_ce(model, x0, masked, b), rel=1e-4)
 
@@ -72,7 +73,7 @@ def test_single_stream_masked_nll_is_the_noisy_forward(prediction):
         logits = model(torch.where(masked, MASK_ID, x0)).logits
     o = int(prediction == "shift")
     want = sum(ce(logits[r, j - o][None], x0[r, j][None]) for r, j in torch.nonzero(masked).tolist())
-    assert float(lk.masked_token_ce(model, x0, masked, "single").sum()) == pytest.approx(want, rel=1e-4)
+    assert float(sc.masked_token_ce(model, x0, masked, "single").sum()) == pytest.approx(want, rel=1e-4)
 
 
 def test_heldout_nll_aggregates_and_shares_masks_across_models():
@@ -104,13 +105,13 @@ def test_ar_mode_uses_the_block_layout_and_reports_next_token_nll():
     want = F.cross_entropy(logits.flatten(0, 1), x0[:, 1:].flatten(), reduction="none").view(2, -1)[scored[:, 1:]].mean()
     assert out["next_token_nll"] == pytest.approx(float(want), rel=1e-5)
     with pytest.raises(ValueError, match="causal model with shift"):
-        lk.eval_mode(tiny_r2lm(attention="bidirectional"), "ar")
+        sc.eval_mode(tiny_r2lm(attention="bidirectional"), "ar")
 
 
 @torch.no_grad()
 def test_next_token_nll_with_open_sidecars_is_block_size_one_decoding():
     model, x0 = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3]), data(batch=1, length=12)
-    got = lk.next_token_ce(model, x0)
+    got = sc.next_token_ce(model, x0)
     for p in range(1, 12):
         cache = model.new_cache(1, 16)
         if p > 1:
@@ -118,7 +119,7 @@ def test_next_token_nll_with_open_sidecars_is_block_size_one_decoding():
         logits = model.denoise(x0[:, p - 1 : p], cache)[0]
         assert float(got[0, p]) == pytest.approx(ce(logits, x0[0, p : p + 1]), rel=1e-4)
     assert float(got[0, 0]) == 0
-    plain = lk.next_token_ce(tiny_r2lm(sidecar_layers=[1, 3]), x0)  # closed gates: the plain causal forward
+    plain = sc.next_token_ce(tiny_r2lm(sidecar_layers=[1, 3]), x0)  # closed gates: the plain causal forward
     assert not torch.allclose(plain, got)
 
 
@@ -165,13 +166,13 @@ def test_monte_carlo_matches_the_exact_sum_over_mask_subsets(kind, block_size, n
     model = tiny_r2lm(open_gates=True, **overrides)
     g = torch.Generator().manual_seed(5)
     context, answer = torch.randint(0, MASK_ID - 1, (6,), generator=g), torch.randint(0, MASK_ID - 1, (n,), generator=g)
-    mode = lk.eval_mode(model)
+    mode = sc.eval_mode(model)
     exact = exact_answer_elbo(model, context, answer, block_size, mode)
-    estimates = [lk.answer_loglikelihood(model, context, answer, mc_num=768, batch_size=128, block_size=block_size, seed=s)
+    estimates = [sc.answer_loglikelihood(model, context, answer, mc_num=768, batch_size=128, block_size=block_size, seed=s)
                  for s in range(2)]
     for est in estimates:
         assert est == pytest.approx(exact, abs=0.08 + 0.005 * abs(exact))
-    assert estimates[0] == lk.answer_loglikelihood(model, context, answer, mc_num=768, batch_size=128,
+    assert estimates[0] == sc.answer_loglikelihood(model, context, answer, mc_num=768, batch_size=128,
                                                    block_size=block_size, seed=0)  # seeded: deterministic
 
 
@@ -182,7 +183,7 @@ def test_one_token_answers_are_exact_with_one_sample():
     cache = model.new_cache(1, 8)
     model.prefill(context[None, :-1], cache)
     want = float(torch.log_softmax(model.denoise(torch.tensor([[8]]), cache)[0, 0].float(), -1)[11])
-    assert lk.answer_loglikelihood(model, context, answer, mc_num=64) == pytest.approx(want, rel=1e-5)
+    assert sc.answer_loglikelihood(model, context, answer, mc_num=64) == pytest.approx(want, rel=1e-5)
 
 
 def test_ar_scoring_is_the_exact_next_token_log_likelihood():
@@ -191,11 +192,11 @@ def test_ar_scoring_is_the_exact_next_token_log_likelihood():
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([context + choices[0]])).logits[0].float(), -1)
     want = sum(float(logp[3 + i, t]) for i, t in enumerate(choices[0]))
-    scores = lk.score_choices(model, context, choices, mode="ar")
+    scores = sc.score_choices(model, context, choices, mode="ar")
     assert scores[0] == pytest.approx(want, rel=1e-5) and len(scores) == 3
     greedy = generate(model, torch.tensor([context]), max_new_tokens=3, block_size=1, eos_token_id=[]).sequences[0, 4:].tolist()
-    assert lk.greedy_reproduces(model, context, greedy, mode="ar")
-    assert not lk.greedy_reproduces(model, context, [(greedy[0] + 1) % 90] + greedy[1:], mode="ar")
+    assert sc.greedy_reproduces(model, context, greedy, mode="ar")
+    assert not sc.greedy_reproduces(model, context, [(greedy[0] + 1) % 90] + greedy[1:], mode="ar")
 
 
 # ---------------------------------------------------------------------------------------------- trained models
@@ -207,7 +208,7 @@ def cycle(start, length):
     return PATTERN[(start + torch.arange(length)) % 12]
 
 
-def train(objective, steps=40, **overrides):
+def train(objective, steps=80, **overrides):
     """A tiny model trained on the repeating cycle with r2lm.diffusion's objective (a plain torch loop)."""
     model = tiny_r2lm(**overrides).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -231,10 +232,10 @@ def test_scores_rank_the_right_choice_first_after_training(name, objective, over
     model = train(objective, **overrides)
     context, right = cycle(5, 10), cycle(15, 3)
     wrong = [cycle(16, 3), right.flip(0), cycle(7, 3)]
-    scores = lk.score_choices(model, context, [right, *wrong], mode=mode, mc_num=32)
+    scores = sc.score_choices(model, context, [right, *wrong], mode=mode, mc_num=32)
     assert scores[0] > max(scores[1:]), scores
-    assert lk.greedy_reproduces(model, context, right, mode)
-    assert not lk.greedy_reproduces(model, context, wrong[0], mode)
+    assert sc.greedy_reproduces(model, context, right, mode)
+    assert not sc.greedy_reproduces(model, context, wrong[0], mode)
 
 
 def test_cli_writes_json(tmp_path):
@@ -258,9 +259,41 @@ def test_context_cache_gives_the_full_layout_numbers(kind):
     g = torch.Generator().manual_seed(2)
     context = torch.randint(0, MASK_ID - 1, (11,), generator=g)
     choices = [torch.randint(0, MASK_ID - 1, (n,), generator=g) for n in (3, 9, 1, 20)]
-    cached = lk.score_choices(model, context, choices, mc_num=12, batch_size=5, block_size=4)
-    full = lk.score_choices(model, context, choices, mc_num=12, batch_size=5, block_size=4, use_cache=False)
+    cached = sc.score_choices(model, context, choices, mc_num=12, batch_size=5, block_size=4)
+    full = sc.score_choices(model, context, choices, mc_num=12, batch_size=5, block_size=4, use_cache=False)
     assert cached == pytest.approx(full, rel=1e-4, abs=1e-4)
-    caches = lk.ContextCache()
-    for c in choices:
-        assert lk.greedy_reproduces(model, context, c, caches=caches) == lk.greedy_reproduces(model, context, c)
+
+
+def teacher_forced_greedy(model, context, answer, block_size):
+    """is_greedy the other way round (LLaDA's suffix_greedy_prediction): the answer fully masked, each step unmasks
+    the most confident position of every block with its argmax, each block reading the clean *answer* blocks before
+    it (all blocks checked in parallel through the full scoring layout); false at the first miss."""
+    n = len(answer)
+    masked = torch.ones(1, n, dtype=torch.bool)
+    blocks = sc.answer_blocks(n, "block", block_size)
+    while bool(masked.any()):
+        logits = sc.answer_logprobs(model, context, answer, masked, "block", block_size, logits_only=True)[0].float()
+        probs = logits.softmax(-1)
+        probs[:, model.config.mask_token_id] = 0
+        conf, tokens = probs.max(-1)
+        for s, e in blocks:
+            if bool(masked[0, s:e].any()):
+                i = s + int(conf[s:e].masked_fill(~masked[0, s:e], -1.0).argmax())
+                if int(tokens[i]) != int(answer[i]):
+                    return False
+                masked[0, i] = False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["r2lm", "block_causal", "hybrid"])
+def test_greedy_reproduction_through_generate_equals_teacher_forcing(kind):
+    model = tiny_r2lm(open_gates=True, **KINDS[kind])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    context = torch.randint(0, MASK_ID - 1, (7,), generator=torch.Generator().manual_seed(3))
+    greedy = generate(model, context[None], max_new_tokens=9, block_size=4, steps=12, eos_token_id=[]).sequences[0, 7:]
+    answers = [greedy, torch.cat([greedy[:5], (greedy[5:6] + 1) % (MASK_ID - 1), greedy[6:]]), greedy[:6]]
+    for answer in answers:
+        want = teacher_forced_greedy(model, context, answer, 4)
+        assert sc.greedy_reproduces(model, context, answer, block_size=4) == want
+    assert sc.greedy_reproduces(model, context, greedy, block_size=4)

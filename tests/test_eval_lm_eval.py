@@ -16,7 +16,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from conftest import tiny_r2lm, tiny_tokenizer  # noqa: E402
 
-from eval import likelihood as lk  # noqa: E402
+from r2lm import scoring as sc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "eval" / "tasks"
@@ -64,7 +64,7 @@ def test_local_multiple_choice_task_end_to_end(checkpoint, overrides, args, mode
     for sample in samples[:2]:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"], strict=True):
             ctx, cont = lm._encode_pair(context, continuation)
-            want = lk.answer_loglikelihood(lm.model, ctx, cont, mode=mode, mc_num=lm.mc_num, batch_size=lm.mc_batch_size,
+            want = sc.answer_loglikelihood(lm.model, ctx, cont, mode=mode, mc_num=lm.mc_num, batch_size=lm.mc_batch_size,
                                            block_size=lm.block_size, seed=lm.seed)
             assert float(resp[0][0]) == pytest.approx(want, rel=1e-5, abs=1e-5)
         scores = [float(r[0][0]) for r in sample["resps"]]

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, TextStreamer
 from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
 from convert.from_hf import convert_from_hf
 from r2lm import R2LMForDiffusionLM, generate
-from r2lm.generation import decoding
+from r2lm.generation import contexts
 from r2lm.generation.sampling import select
 
 R2LM = dict(sidecar_layers=[1, 3])
@@ -32,7 +32,7 @@ def left_padded(batch=3, length=9, pads=(0, 3, 6), seed=1):
     return ids, mask
 
 
-RULES = [dict(threshold=0.6), dict(factor=1.0), dict(tokens_per_step=3), dict(threshold=0.5, confidence="margin"),
+RULES = [dict(threshold=0.6), dict(factor=1.0), dict(steps=9), dict(threshold=0.5, confidence="margin"),
          dict(threshold=0.5, confidence="entropy")]
 
 
@@ -125,13 +125,13 @@ def test_nfe_is_bounded_by_new_tokens_plus_commits():
 def test_cache_is_allocated_once_and_never_moves(monkeypatch):
     caches = []
 
-    class Recorded(decoding.KVCache):
+    class Recorded(contexts.KVCache):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.pointers = [t.data_ptr() for t in self.key + self.value]
             caches.append(self)
 
-    monkeypatch.setattr(decoding, "KVCache", Recorded)
+    monkeypatch.setattr(contexts, "KVCache", Recorded)
     model = peaky(**R2LM)
     ids, mask = left_padded()
     generate(model, ids, mask, max_new_tokens=21, block_size=8)
@@ -186,20 +186,19 @@ def test_streamer_and_stop_strings(capsys):
 def test_bidirectional_baselines(cache, prediction):
     model = peaky(attention="bidirectional", prediction=prediction, sidecar_layers=[])
     ids, mask = left_padded()
-    out = generate(model, ids, mask, max_new_tokens=20, block_size=8, tokens_per_step=2, approximate_cache=cache)
+    out = generate(model, ids, mask, max_new_tokens=20, block_size=8, steps=12, approximate_cache=cache)
     assert out.sequences.shape == (3, ids.shape[1] + 20) and not (out.sequences == MASK_ID).any()
-    assert out.nfe == out.steps == 4 + 4 + 2  # two tokens per step per row: blocks of 8, 8 and 4 tokens
+    assert out.nfe == out.steps == 4 + 4 + 4  # four steps per block (LLaDA's schedule): blocks of 8, 8 and 4 tokens
     if cache == "prefix":  # one-block canvas: the prefix cache starts from the same full forward as no cache
-        exact = generate(model, ids, mask, max_new_tokens=8, block_size=8, tokens_per_step=8)
-        approx = generate(model, ids, mask, max_new_tokens=8, block_size=8, tokens_per_step=8, approximate_cache=cache)
+        exact = generate(model, ids, mask, max_new_tokens=8, block_size=8, steps=1)
+        approx = generate(model, ids, mask, max_new_tokens=8, block_size=8, steps=1, approximate_cache=cache)
         assert torch.equal(exact.sequences, approx.sequences)
 
 
 def test_model_method_is_the_same_generator():
     model = peaky(**R2LM)
     ids, mask = left_padded()
-    assert torch.equal(model.diffusion_generate(ids, mask, max_new_tokens=9).sequences,
-                       generate(model, ids, mask, max_new_tokens=9).sequences)
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=9), generate(model, ids, mask, max_new_tokens=9).sequences)
 
 
 @pytest.mark.parametrize(
@@ -210,13 +209,13 @@ def test_model_method_is_the_same_generator():
         (dict(max_new_tokens=510), r"prompt \(3 tokens\) \+ max_new_tokens \(510\) exceeds the model's maximum length 512"),
         (dict(attention_mask=torch.tensor([[0, 0, 0]])), "row 0 of the batch is all padding"),
         (dict(attention_mask=torch.tensor([[1, 1, 0]])), "must be left-padded"),
-        (dict(block_size=0), "block_size must be positive"),
+        (dict(block_size=0), "block_size must be a positive integer"),
         (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
         (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
-        (dict(max_new_tokens=0), "max_new_tokens must be positive"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (dict(stop_strings=["x"]), "stop_strings need the tokenizer"),
         (dict(approximate_cache="dual"), "approximate_cache is for bidirectional models"),
-        (dict(factor=1.0, tokens_per_step=2), "at most one of factor and tokens_per_step"),
+        (dict(factor=1.0, steps=2), "at most one unmasking rule"),
         (dict(confidence="vibes"), "unknown confidence"),
     ],
 )

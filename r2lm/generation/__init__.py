@@ -1,5 +1,5 @@
-"""Cached parallel decoding (DESIGN section 4): `generate(model, input_ids, ...)`."""
+"""Cached parallel decoding (DESIGN section 4): `generate(model, input_ids, ...)`, or `model.generate(...)`."""
 
-from r2lm.generation.decoding import GenerateOutput, generate
+from r2lm.generation.decoding import GenerateOutput, StepInfo, generate
 
-__all__ = ["GenerateOutput", "generate"]
+__all__ = ["GenerateOutput", "StepInfo", "generate"]

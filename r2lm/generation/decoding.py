@@ -1,20 +1,17 @@
-"""`generate()`: semi-autoregressive block decoding with an exact KV cache (DESIGN section 4).
+"""`generate()`: the one decode loop (DESIGN section 4) for every model kind.
 
-    cache = model.new_cache(...)                 # allocated once per call
-    model.prefill(prompt, cache)                 # shift: all but the last prompt token, which opens the first window
-    for each block of [MASK]:
-        until the block has no [MASK]:
-            logits = model.denoise(window, cache)      # sidecar on, cache untouched
-            unmask by the rule (>= 1 per row)
-        model.commit(block, cache)               # clean, sidecar off: exactly what training's clean stream computes
+    for each block of max_new_tokens:
+        until the block has no [MASK]:                 # the loop's exit test: the one host sync of a step
+            logits = context.read(block)               # the block's logits (exact cache, recompute, canvas...)
+            propose a token per masked position, unmask by the rule (>= 1 per row)
+            step_callback(StepInfo); EOS stops rows
+        stop strings, stopping criteria, streamer
+        context.commit(block)                          # exact cache: appended by the next block's first read
 
-Under `shift`, window column j predicts block token j from the inputs [x_{s-1}, block_0 .. block_{b-2}]; under
-`inplace` the window is the block itself. A window with no [MASK] left (block size 1 under `shift`, or the last
-step of a block) is committed and read in one forward when that is exact, i.e. when no sidecar is active: the
-AR baseline then runs one forward per token.
-
-`use_cache=False` recomputes the whole layout (prompt, committed blocks, window) every step: the oracle.
-Bidirectional models have no exact cache and are decoded by r2lm.generation.bidirectional.
+How the committed text is held and read is the context's business (r2lm.generation.contexts): the exact KV cache
+of causal and block_causal models, its recompute oracle (use_cache=False), and the canvas of bidirectional
+models with their approximate caches. Unmasking rules and confidences: r2lm.generation.sampling. Options and
+their checks: r2lm.generation.options.
 """
 
 from __future__ import annotations
@@ -22,168 +19,114 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
-from r2lm.cache import KVCache
-from r2lm.generation.request import Request, make_request
-from r2lm.generation.sampling import propose, select
-from r2lm.layout import Layout
-from r2lm.prefix.prefill import prefill_rows
+from r2lm.generation.contexts import open_context
+from r2lm.generation.options import Request, make_request
+from r2lm.generation.sampling import propose, schedule, select
+from r2lm.generation.stopping import Stopper
 
 
 @dataclass
-class GenerateOutput:
-    sequences: torch.LongTensor  # [batch, prompt + new]: like transformers' generate, padded after a row stops
-    nfe: int  # model forwards
-    steps: int  # forwards that unmasked tokens
-    new_tokens: int  # tokens decoded, summed over rows, up to each row's stop
+class GenerateOutput(ModelOutput):
+    sequences: torch.LongTensor | None = None  # [batch, prompt + new]: like transformers' generate, padded after a stop
+    nfe: int | None = None  # model forwards, prefill included
+    steps: int | None = None  # denoising steps (forwards that unmasked tokens)
+    new_tokens: int | None = None  # tokens decoded, summed over rows, up to each row's stop
 
     @property
     def tokens_per_step(self) -> float:
         """Tokens a row accepts per denoising step, averaged over rows."""
         return self.new_tokens / max(self.steps * self.sequences.shape[0], 1)
 
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens a row gains per model forward (prefill included), averaged over rows."""
+        return self.new_tokens / max(self.nfe * self.sequences.shape[0], 1)
+
+
+@dataclass
+class StepInfo:
+    """What a step callback sees of one denoising step: the block's generated positions [start, start + L)."""
+
+    step: int  # index of the step in the call
+    start: int
+    masked: torch.Tensor  # [B, L] positions masked before the step
+    proposals: torch.Tensor  # [B, L] the token each position would take
+    confidence: torch.Tensor  # [B, L]
+    accepted: torch.Tensor  # [B, L] positions unmasked by this step
+    logits: torch.Tensor  # [B, L, V]
+
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options) -> GenerateOutput:
-    """Decode `max_new_tokens` after left-padded prompts `input_ids` [B, P].
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
+             **options) -> GenerateOutput:
+    """Decode up to `max_new_tokens` after left-padded prompts `input_ids` [B, P].
 
-    Options (see r2lm.generation.request.make_request for all and their checks): max_new_tokens=128,
-    block_size (default: the model's), threshold=0.9 | factor | tokens_per_step, confidence ("max_prob",
-    "margin", "entropy"), temperature=0.0, top_k, top_p, generator, eos_token_id, pad_token_id, stop_strings +
-    tokenizer, streamer, use_cache=True, approximate_cache (None, "prefix" or "dual": bidirectional models only),
-    bicache (an r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix's shallow-layer keys and values,
-    bidirectional models only).
+    Options (r2lm.generation.options has each one's check; defaults come from `generation_config`, else the
+    model's generation_config.json): max_new_tokens=128, block_size (the model's), one unmasking rule:
+    threshold=0.9 | factor | steps (LLaDA's total steps); confidence ("max_prob", "margin", "entropy");
+    temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id, pad_token_id, stop_strings +
+    tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each block), streamer,
+    step_callback (called with a StepInfo after every step); use_cache=True, compile=False (torch.compile the
+    cached decode step), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
+    models only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an
+    r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix).
     """
-    request = make_request(model, input_ids, attention_mask, **options)
-    if model.config.attention == "bidirectional":
-        from r2lm.generation.bidirectional import decode_bidirectional
-
-        return decode_bidirectional(model, request)
-    return decode_blocks(model, request)
+    return decode(model, make_request(model, input_ids, attention_mask, generation_config, **options))
 
 
-def choose(logits: torch.Tensor, masked: torch.Tensor, r: Request):
-    """Proposed tokens [B, L] and which masked positions take them now; [MASK] itself is never proposed."""
-    logits = logits.clone()
-    logits[..., r.mask_id] = float("-inf")
-    tokens, conf = propose(logits, r.temperature, r.top_k, r.top_p, r.confidence, r.generator)
-    return tokens, select(conf, masked, r.threshold, r.factor, r.tokens_per_step)
+def window_columns(prompt_len: int, start: int, end: int, block_size: int, n: int, suffix: int, shift: bool) -> slice:
+    """The canvas columns through which the block of generated positions [start, end) is read: under `shift` the
+    token before the block, then the block but its last token (nothing reads that token until the next block);
+    under `inplace` the block. When infilling, clean suffix tokens within a block's width of the block start join
+    its window (every one of them is an input under `shift`); later ones lie beyond the block and are not seen."""
+    if shift:
+        return slice(prompt_len + start - 1, prompt_len + min(start + block_size - 1, n + suffix if suffix else end - 1))
+    return slice(prompt_len + start, prompt_len + min(start + block_size, n + suffix))
 
 
-class CachedContext:
-    """Committed tokens held as keys and values in one preallocated KVCache."""
-
-    def __init__(self, model, cache: KVCache):
-        self.model, self.cache = model, cache
-
-    def prefill(self, ids, mask):
-        self.model.prefill(ids, self.cache, attention_mask=mask)
-
-    def commit(self, ids, logits=False):
-        return self.model.commit(ids, self.cache, logits_to_keep=0 if logits else 1)
-
-    def denoise(self, window):
-        return self.model.denoise(window, self.cache)
-
-
-class RecomputedContext:
-    """Committed tokens kept as ids: every read recomputes the full layout (the oracle for the cache)."""
-
-    def __init__(self, model, batch: int, device):
-        self.model = model
-        self.ids, self.layouts = [], []
-        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
-        self.next_chunk = 0
-
-    def prefill(self, ids, mask):
-        self._append(ids, self.model.prompt_layout(mask, start=self.next_position, chunk=self.next_chunk), mask)
-
-    def commit(self, ids, logits=False):
-        mask = torch.ones_like(ids)
-        self._append(ids, Layout.span(mask, start=self.next_position, chunk=self.next_chunk), mask)
-
-    def _append(self, ids, layout, mask):
-        self.ids.append(ids)
-        self.layouts.append(layout)
-        self.next_position = self.next_position + mask.sum(1)
-        self.next_chunk = int(layout.chunks.max()) + 1
-
-    def denoise(self, window):
-        win = Layout.span(torch.ones_like(window), start=self.next_position, noisy=True, chunk=self.next_chunk)
-        out = self.model(torch.cat([*self.ids, window], 1), layout=Layout.cat(*self.layouts, win))
-        return out.logits[:, -window.shape[1] :]
-
-
-def sidecars_active(model) -> bool:
-    return any(layer.sidecar is not None and bool(layer.sidecar.gate.ne(0).any()) for layer in model.model.layers)
-
-
-def decode_blocks(model, r: Request) -> GenerateOutput:
-    ids, mask = r.input_ids, r.attention_mask
-    batch, prompt_len = ids.shape
-    n_new = r.max_new_tokens
-    shift = model.config.prediction == "shift"
-    fuse = r.use_cache and shift and not sidecars_active(model)
-    nfe = steps = 0
-    opener = ids[:, -1:] if shift else None  # shift: the last prompt token opens the first window
-    head, head_mask = (ids[:, :-1], mask[:, :-1]) if shift else (ids, mask)
-    pinned = []
-    if r.prefix_cache is not None:  # rows resume from their cached prefixes
-        rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
-        cache, pinned, nfe = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + n_new)
-        context = CachedContext(model, cache)
-    elif r.use_cache:
-        context = CachedContext(model, KVCache(model.config, batch, prompt_len + n_new, model.dtype, model.device))
-    else:
-        context = RecomputedContext(model, batch, ids.device)
-    if r.prefix_cache is None and head.shape[1]:
-        context.prefill(head, head_mask)
-        nfe += r.use_cache
-    try:
-        return _decode(model, r, context, opener, fuse, nfe, steps)
-    finally:
-        if r.prefix_cache is not None:
-            r.prefix_cache.release(pinned)
-
-
-def _decode(model, r: Request, context, opener, fuse: bool, nfe: int, steps: int) -> GenerateOutput:
+def decode(model, r: Request) -> GenerateOutput:
     ids = r.input_ids
-    batch, n_new, b, mask_id = ids.shape[0], r.max_new_tokens, r.block_size, r.mask_id
-    shift = opener is not None
-    out = torch.full((batch, n_new), mask_id, dtype=ids.dtype, device=ids.device)
-    stopper = r.stopper
+    (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
+    shift, suffix = model.config.prediction == "shift", r.suffix_ids.shape[1]
+    canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), r.suffix_ids], 1)
+    out = canvas[:, prompt_len : prompt_len + n]  # a view: unmasking writes straight into the canvas
+    stopper = Stopper(r, batch, ids.device)
     stopper.stream(ids)
-
-    end = 0
-    for start in range(0, n_new, b):
-        end = min(start + b, n_new)
-        block = out[:, start:end]  # a view: unmasking writes straight into `out`
-        block[stopper.finished] = r.pad_id  # finished rows have nothing left to decode
-        committed = False
-        while True:
-            masked = block == mask_id
-            if not masked.any():
+    steps_per_block = r.steps // r.num_blocks if r.steps else None
+    step = end = 0
+    context = open_context(model, r, canvas)
+    try:
+        for start in range(0, n, b):
+            end = min(start + b, n)
+            block = out[:, start:end]
+            block.masked_fill_(stopper.finished[:, None], r.pad_id)  # finished rows have nothing left to decode
+            columns = window_columns(prompt_len, start, end, b, n, suffix, shift)
+            window = canvas[:, columns]  # a view: it follows the unmasking
+            inputs = min(columns.stop - prompt_len, end) - start  # block positions that are window inputs
+            counts = schedule(block == r.mask_id, steps_per_block) if steps_per_block else None
+            for i in range(end - start):  # at least one token per row and step: at most L steps
+                masked = block == r.mask_id
+                # the one host sync of a step: is anything left to decode, and is the window clean
+                left, window_masked = torch.stack([masked.any(), masked[:, :inputs].any()]).tolist()
+                if not left:
+                    break
+                logits = context.read(start, window, end - start, clean=not window_masked)
+                tokens, conf = propose(logits, r.mask_id, r.temperature, r.top_k, r.top_p, r.confidence, r.generator)
+                take = select(conf, masked, r.threshold, r.factor, counts[:, i] if counts is not None else None)
+                block.copy_(torch.where(take, tokens, block))
+                if r.step_callback is not None:
+                    r.step_callback(StepInfo(step, start, masked, tokens, conf, take, logits))
+                stopper.check_eos(block, start)
+                step += 1
+            stopper.end_block(canvas, prompt_len, end)
+            stopper.stream(block, start)
+            if bool(stopper.finished.all()):
                 break
-            window = torch.cat([opener, block[:, :-1]], 1) if shift else block
-            if fuse and not (window == mask_id).any():  # clean window: read and commit in one forward
-                logits, committed = context.commit(window, logits=True), True
-            else:
-                logits = context.denoise(window)
-            nfe, steps = nfe + 1, steps + 1
-            tokens, take = choose(logits, masked, r)
-            block[take] = tokens[take]
-            finished = stopper.check_eos(out, start, end, mask_id)
-            block[finished[:, None] & (block == mask_id)] = r.pad_id  # a stopped row's tail needs no decoding
-        if stopper.stop_strings:
-            stopper.check_strings(out, end)
-        stopper.stream(block, start)
-        if stopper.finished.all():
-            break
-        if not committed and end < n_new:  # the last block needs no commit: no window will read it
-            context.commit(torch.cat([opener, block[:, :-1]], 1) if shift else block)
-            nfe += r.use_cache
-        if shift:
-            opener = block[:, -1:]
+            context.commit(window)
+    finally:
+        context.close()
     stopper.end()
-    new = stopper.trim(out[:, :end])
-    return GenerateOutput(torch.cat([ids, new], 1), nfe, steps, stopper.count(new))
+    sequences = stopper.trim(canvas[:, : prompt_len + end], prompt_len)
+    return GenerateOutput(sequences=sequences, nfe=context.forwards, steps=step, new_tokens=stopper.count(end))

@@ -35,35 +35,39 @@ class Attention(nn.Module):
         self.linear_attention = BlockHybridAttention(config) if layer_idx in config.hybrid_layers else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries, keys, values [B, heads, T, head_dim] with RoPE applied."""
+        """Queries [B, heads, T, head_dim] and keys, values [B, kv_heads, T, head_dim], RoPE applied."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        # one rotation for queries and keys together: the same elementwise arithmetic, half the operations
+        qk = apply_rotary(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, plan, cache=None):
-        q, k, v = self.project(x, cos, sin)
+    def forward(self, x, plan, cache=None):
+        """(output [B, T, hidden], attention-transfer MSE or None)."""
+        q, k, v = self.project(x, plan.cos, plan.sin)
+        mse = None
         if self.linear_attention is not None:
             state = cache.state(self.layer_idx) if cache is not None else None
             out, delta = self.linear_attention(
-                q, k, v, plan.own, plan.earlier, self.scaling, plan.valid, state, fold=cache is not None and plan.commit
+                q, k, v, plan.own, plan.earlier, self.scaling, plan.valid, state, fold=plan.commit if cache is not None else 0
             )
             if delta is not None:
                 cache.fold(self.layer_idx, *delta)
-            if plan.transfer is not None:  # the softmax teacher goes on; the hybrid student is only scored
+            if plan.transfer:  # the softmax teacher goes on; the hybrid student is only scored
                 with torch.no_grad():
                     teacher = attention(q, k, v, plan.mask, self.scaling)
-                plan.transfer.append(_masked_mse(out, teacher, plan.valid))
+                mse = _masked_mse(out, teacher, plan.valid)
                 out = teacher
         else:
             if cache is not None:
-                k, v = cache.update(self.layer_idx, k, v)
+                k, v = cache.update(self.layer_idx, k, v, plan.columns, plan.keys)
             out = attention(q, k, v, plan.mask, self.scaling, is_causal=plan.is_causal)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.o_proj(out.transpose(1, 2).flatten(2)), mse
 
 
 def _masked_mse(student, teacher, valid):

@@ -55,11 +55,12 @@ class BlockHybridAttention(nn.Module):
         proj = torch.einsum("bhtd,hdf->bhtf", x.float(), weights.float())
         return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], dim=-1)
 
-    def forward(self, q, k, v, own, earlier, scale, valid=None, state=None, fold=False):
+    def forward(self, q, k, v, own, earlier, scale, valid=None, state=None, fold: int = 0):
         """q [B, H, T, d]; k, v [B, Hkv, T, d]; own / earlier bool [B or 1, 1, T, T]; valid [B, T] or None;
         state: (S [B, H, 2F, d], Z [B, H, 2F]) of earlier committed chunks, or None.
 
-        Returns out [B, H, T, d] and, with `fold`, (dS, dZ) of this input's real keys to add to the state."""
+        Returns out [B, H, T, d] and, with `fold` = n > 0, (dS, dZ) of the real keys among the first n columns (the
+        part of the input being committed) to add to the state; else None."""
         groups = self.num_heads // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1).float(), v.repeat_interleave(groups, dim=1).float()
         key_weights = self.hedgehog_weights if self.key_hedgehog_weights is None else self.key_hedgehog_weights
@@ -77,7 +78,8 @@ class BlockHybridAttention(nn.Module):
         out = (num / den.clamp_min(self.eps)).to(q.dtype)
         if not fold:
             return out, None
+        fk, v = fk[:, :, :fold], v[:, :, :fold]
         if valid is not None:
-            keep = valid[:, None, :, None].float()
+            keep = valid[:, None, :fold, None].float()
             fk, v = fk * keep, v * keep
         return out, (fk.transpose(-1, -2) @ v, fk.sum(-2))

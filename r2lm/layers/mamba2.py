@@ -40,11 +40,12 @@ class Mamba2Mixer(nn.Module):
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
         init.ones_(self.D)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        """u [B, L, hidden] -> [B, L, hidden], causal in L."""
+    def forward(self, u: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+        """u [B, L, hidden] -> [B, L, hidden], causal in L; with `reverse`, anti-causal: the mixer run right to
+        left (what `self(u.flip(1)).flip(1)` computes, without the two copies)."""
         batch, length, _ = u.shape
         z, xbc, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        xbc = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu")
+        xbc = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu", reverse=reverse)
         x, B, C = xbc.split([self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         y = ssd_scan(
             x.view(batch, length, self.nheads, self.headdim),
@@ -55,5 +56,6 @@ class Mamba2Mixer(nn.Module):
             self.chunk_size,
             D=self.D,
             dt_bias=self.dt_bias,
+            reverse=reverse,
         )
         return self.out_proj(self.norm(y.reshape(batch, length, self.d_inner), z))

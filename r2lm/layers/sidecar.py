@@ -1,11 +1,12 @@
 """The reverse Mamba sidecar (R2LM, DESIGN 1.1): compressed right-side context for the active window.
 
-    u = RMSNorm(h[window]);  r = flip(Mamba2(flip(u)));  h[window] += tanh(gate) * r
+    u = RMSNorm(h[window]);  r = Mamba2_reverse(u);  h[window] += tanh(gate) * r
 
-r_i summarises the window inputs at positions >= i (the conv becomes anti-causal after the flip). The sidecar
-only ever touches window (noisy) positions, so clean tokens, and therefore every cached key and value, stay a
-function of tokens to their left: that is what keeps the KV cache exact. The gate starts at 0, so a freshly
-converted model is bit-identical to its backbone.
+r_i summarises the window inputs at positions >= i: the mixer runs right to left (its conv anti-causal, its scan
+from the window's end), which is `flip(Mamba2(flip(u)))` computed without the flips. The sidecar only ever
+touches window (noisy) positions, so clean tokens, and therefore every cached key and value, stay a function of
+tokens to their left: that is what keeps the KV cache exact. The gate starts at 0, so a freshly converted model
+is bit-identical to its backbone.
 """
 
 import torch
@@ -33,15 +34,23 @@ class ReverseSidecar(nn.Module):
 
     def scan(self, u: torch.Tensor) -> torch.Tensor:
         """Right-to-left mixer over u [N, L, d]: output i depends on u[i:] only."""
-        return self.mixer(self.norm(u).flip(1)).flip(1)
+        return self.mixer(self.norm(u), reverse=True)
 
-    def forward(self, h: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, windows: torch.Tensor | slice) -> torch.Tensor:
         """Add the gated reverse scan of each window to h [B, T, d].
 
-        windows [W, Lw]: column indices of each window's tokens in order, right-aligned and padded with -1 on
-        the left. After the flip the padding comes last, where a causal scan cannot carry it into real tokens."""
+        windows: a slice of columns (one window, the decoding case), or [W, Lw] column indices of each window's
+        tokens in order, right-aligned and padded with -1 on the left (training layouts). A right-to-left scan
+        never carries the padding into the real tokens on its right."""
+        gate = torch.tanh(self.gate).to(h.dtype)
+        if isinstance(windows, slice):
+            u = h[:, windows]
+            out = u + gate * self.scan(u)
+            if u.shape[1] == h.shape[1]:
+                return out
+            return h.slice_scatter(out, dim=1, start=windows.start, end=windows.stop)
         batch, _, dim = h.shape
         real = windows >= 0
         u = h[:, windows.clamp(min=0)].reshape(batch * windows.shape[0], windows.shape[1], dim)
         r = self.scan(u).view(batch, *windows.shape, dim)[:, real]
-        return h.index_add(1, windows[real], torch.tanh(self.gate).to(r.dtype) * r)
+        return h.index_add(1, windows[real], gate * r)

@@ -7,11 +7,17 @@ Per head h with scalar decay A_h < 0, for t = 0..L-1 (state [headdim, d_state], 
     y_t     = state_t C_t + D * x_t
 
 `ssd_recurrent_ref` runs it step by step (the oracle); `ssd_chunk_scan_ref` is the chunked form (quadratic
-inside a chunk, a recurrence over chunk states between chunks) that runs fast on CPU; `ssd_scan` picks
-mamba_ssm's Triton kernel for CUDA tensors when it is installed.
+inside a chunk, a recurrence over chunk states between chunks) that runs fast on CPU; `ssd_window_ref` is the
+one-chunk case written out (a sidecar window is rarely longer than a chunk: no padding, no chunk states), in
+either direction; `ssd_scan` picks mamba_ssm's Triton kernel for CUDA tensors when it is installed.
+
+`reverse=True` runs the recurrence right to left (t = L-1 .. 0, state zero at t = L): the scan of the flipped
+sequence, flipped back. The reverse sidecar computes it directly instead of flipping its inputs and outputs.
 
 Shapes: x [B, L, H, P], dt [B, L, H], A [H], B and C [B, L, G, N] with G dividing H, D [H].
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +58,8 @@ def _segsum(x):
     Summing masked copies (rather than subtracting cumulative sums) keeps it exact for long chunks."""
     T = x.shape[-1]
     x = x[..., None].expand(*x.shape, T)
-    below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=-1)
-    x = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    on_or_below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=0)
-    return x.masked_fill(~on_or_below, float("-inf"))
+    x = torch.cumsum(x.masked_fill(_upper(T, 0, x.device), 0), dim=-2)  # keep k > j only
+    return x.masked_fill(_upper(T, 1, x.device), float("-inf"))
 
 
 def ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
@@ -108,8 +112,54 @@ def _carried(B, C, xdt, dA_cumsum):
     return torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(dA_cumsum))
 
 
-def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None):
-    """SSD scan: mamba_ssm's `mamba_chunk_scan_combined` on CUDA when installed, else `ssd_chunk_scan_ref`."""
+def ssd_window_ref(x, dt, A, B, C, D=None, dt_bias=None, reverse: bool = False):
+    """The whole sequence as one chunk, in fp32: y = (decay * C B^T) (dt x) + D x, with
+
+        forward  decay[i, j] = exp(dA_{j+1} + ... + dA_i)   for j <= i
+        reverse  decay[i, j] = exp(dA_i + ... + dA_{j-1})   for j >= i
+
+    Fewer operations than the chunked form (what matters for a 16-token window on a CPU) and no padding; meant for
+    lengths up to a chunk (it is quadratic in the length)."""
+    batch, length, nheads, headdim = x.shape
+    dt = _discretise(dt, dt_bias if dt_bias is not None else torch.zeros_like(A))  # [B, L, H]
+    dA = (dt * A.float()).transpose(1, 2)  # [B, H, L]
+    decay = torch.exp(_reverse_segsum(dA) if reverse else _segsum(dA))  # [B, H, L, L]
+    groups = B.shape[2]
+    CB = torch.einsum("bign,bjgn->bgij", C.float(), B.float())  # shared by the heads of a group
+    scores = (decay.view(batch, groups, nheads // groups, length, length) * CB[:, :, None]).flatten(1, 2)
+    xdt = (x.float() * dt[..., None]).transpose(1, 2)  # [B, H, L, P]
+    y = (scores @ xdt).transpose(1, 2)  # [B, L, H, P]
+    if D is not None:
+        y = torch.addcmul(y, x.float(), D.float()[:, None])
+    return y.to(x.dtype)
+
+
+def _reverse_segsum(x):
+    """x [..., T] -> [..., T, T] with out[i, j] = x[i] + ... + x[j-1] for j >= i (0 on the diagonal), -inf below.
+
+    Like _segsum, each entry sums its own segment (no difference of long cumulative sums)."""
+    T = x.shape[-1]
+    before = _upper(T, 1, x.device).T  # k < i: not in row i's segments
+    sums = x[..., None, :].expand(*x.shape[:-1], T, T).masked_fill(before, 0).cumsum(-1)  # [i, j] = x[i..j]
+    return F.pad(sums[..., :-1], (1, 0)).masked_fill(before, float("-inf"))
+
+
+@functools.cache
+def _upper(T: int, diagonal: int, device) -> torch.Tensor:
+    """Bool [T, T], True on and above the `diagonal`-th diagonal (built once per size: masks of every forward)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(diagonal)
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, reverse: bool = False):
+    """SSD scan: mamba_ssm's `mamba_chunk_scan_combined` on CUDA when installed, else `ssd_window_ref` for a
+    sequence that fits in one chunk and `ssd_chunk_scan_ref` for a longer one."""
     if x.is_cuda and (fn := optional_import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")):
+        if reverse:  # the kernel scans left to right only
+            return ssd_scan(*(t.flip(1) for t in (x, dt)), A, *(t.flip(1) for t in (B, C)), chunk_size, D, dt_bias).flip(1)
         return fn(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+    if x.shape[1] <= chunk_size:
+        return ssd_window_ref(x, dt, A, B, C, D=D, dt_bias=dt_bias, reverse=reverse)
+    if reverse:
+        flipped = ssd_chunk_scan_ref(x.flip(1), dt.flip(1), A, B.flip(1), C.flip(1), chunk_size, D=D, dt_bias=dt_bias)
+        return flipped.flip(1)
     return ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias)

@@ -24,6 +24,7 @@ Unlike the paper's engine, a request here does not also keep the deep layers' pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from bisect import bisect_right
 from collections import Counter, OrderedDict
@@ -104,13 +105,11 @@ def encode(model, ids: torch.Tensor):
     _check_model(model)
     inner, T = model.model, ids.shape[1]
     cache = KVCache(model.config, 1, T, model.dtype, model.device)  # never advanced: the forward writes its scratch
-    layout = Layout.span(torch.ones_like(ids))
+    plan = inner.plan(Layout.span(torch.ones_like(ids)), cache)
     h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, layout.positions)
-    plan = inner.plan(layout, cache, commit=False)
     hidden = [h]
-    for layer in inner.layers:  # no sidecar windows: a clean span has none, as in model.forward
-        h = layer(h, cos, sin, plan, cache)
+    for d in range(model.config.num_hidden_layers):
+        h = inner(hidden_states=h, plan=plan, cache=cache, layers=range(d, d + 1), norm=False).last_hidden_state
         hidden.append(h)
     keys = [k[:, :, :T].clone() for k in cache.key]
     values = [v[:, :, :T].clone() for v in cache.value]
@@ -358,20 +357,16 @@ def stitched_forward(model, entry: Entry, rest_ids: torch.Tensor, depth: int, re
     if depth and S:  # shallow layers: the rest alone, reading the prefix through its stored K/V
         cache = cache if cache is not None else prefix_kv(model, entry, depth, batch, S)
         layout = Layout.span(rest_mask, start=P)
-        cos, sin = inner.rotary_emb(h, layout.positions)
-        plan = inner.plan(layout, cache, commit=False)
+        plan = inner.plan(layout, cache)
         if config.attention == "bidirectional" and layout.valid is None:
-            plan.mask = None  # every column sees every column, as in the ordinary forward's unmasked SDPA call
-        for layer in inner.layers[:depth]:
-            h = layer(h, cos, sin, plan, cache)
+            # every column sees every column, as in the ordinary forward's unmasked SDPA call
+            plan = dataclasses.replace(plan, mask=None)
+        h = inner(hidden_states=h, plan=plan, cache=cache, layers=range(depth), norm=False).last_hidden_state
     h = torch.cat([entry.hidden[depth].expand(batch, -1, -1), h], 1)  # the boundary: prefix rows as computed alone
-    if depth < config.num_hidden_layers:  # deep layers: the whole sequence, as the ordinary forward runs them
-        layout = Layout.span(torch.cat([rest_mask.new_ones(batch, P), rest_mask], 1))
-        cos, sin = inner.rotary_emb(h, layout.positions)
-        plan = inner.plan(layout, None, commit=False)
-        for layer in inner.layers[depth:]:
-            h = layer(h, cos, sin, plan)
-    return model.lm_head(inner.norm(h if prefix_logits else h[:, P:]))
+    layers = range(depth, config.num_hidden_layers)  # deep layers: the whole sequence, as the ordinary forward runs them
+    layout = Layout.span(torch.cat([rest_mask.new_ones(batch, P), rest_mask], 1))
+    h = inner(hidden_states=h, layout=layout, layers=layers).last_hidden_state
+    return model.lm_head(h if prefix_logits else h[:, P:])
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -1,0 +1,171 @@
+"""How a decoder holds the committed text and reads a block's logits from it: the strategies of the one decode
+loop (r2lm.generation.decoding).
+
+    ExactCache       causal / block_causal models: prompt and finished blocks as keys and values in a KVCache
+                     (optionally resumed from a PrefixCache); a finished block is committed by the forward that
+                     reads the next window. Exact.
+    Recompute        causal / block_causal, use_cache=False: the whole layout every read. The oracle of ExactCache.
+    Canvas           bidirectional models (LLaDA, Dream): [prompt ; generated] re-encoded every read; with
+                     approximate_cache="prefix" / "dual" Fast-dLLM's prefix / dual cache, with bicache=... BiCache's
+                     stored shared prefix. APPROXIMATE (but for the no-cache case): kept keys would change as the
+                     canvas fills in; they are refreshed once per block (Fast-dLLM) or never (BiCache).
+
+Each has `read(start, window, n, clean)` -> logits [B, n, V] predicting the block's n tokens (generated
+positions [start, start + n)), `commit(window)` once the block is final, `forwards` and `close()`. The window is
+the canvas columns the block is read through (r2lm.generation.decoding.window_columns): under `shift` the token
+before the block and the block but its last token, column j predicting block token j; under `inplace` the block;
+either followed by clean suffix tokens when infilling. `clean`: the window holds no [MASK].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r2lm.cache import KVCache
+from r2lm.generation.window import WindowReader
+from r2lm.layout import Layout
+
+
+def sidecars_active(model) -> bool:
+    return any(layer.sidecar is not None and bool(layer.sidecar.gate.ne(0).any()) for layer in model.model.layers)
+
+
+def open_context(model, r, canvas: torch.Tensor):
+    if model.config.attention == "bidirectional":
+        return Canvas(model, r, canvas)
+    return ExactCache(model, r) if r.use_cache else Recompute(model, r)
+
+
+def _head(model, r):
+    """The prompt's part held as context: all of it under `inplace`, all but its last token under `shift` (that
+    token opens the first window)."""
+    ids, mask = r.input_ids, r.attention_mask
+    if model.config.prediction == "shift":
+        return ids[:, :-1], mask[:, :-1]
+    return ids, mask
+
+
+class ExactCache:
+    def __init__(self, model, r):
+        from r2lm.prefix.prefill import prefill_rows
+
+        self.model = model
+        head, head_mask = _head(model, r)
+        batch, room = r.input_ids.shape[0], r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1]
+        self.pinned, forwards = [], 0
+        if r.prefix_cache is not None:  # rows resume from their cached prefixes
+            rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
+            self.prefix_cache = r.prefix_cache
+            cache, self.pinned, forwards = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + room - head.shape[1])
+        else:
+            cache = KVCache(model.config, batch, room, model.dtype, model.device)
+            if head.shape[1]:
+                model.prefill(head, cache, attention_mask=head_mask)
+                forwards = 1
+        self.reader = WindowReader(model, cache, compile=r.compile)
+        self.reader.forwards = forwards
+        # A window without [MASK] can be committed by the forward that reads it only where that forward equals the
+        # commit: no active sidecar (it would touch the window) -- the AR baseline.
+        self.clean_commits = model.config.prediction == "shift" and not sidecars_active(model)
+        self.pending = None  # a finished block's clean columns, appended by the next read
+        self.committed = False  # the block being decoded was committed by the read of its clean window
+
+    @property
+    def forwards(self) -> int:
+        return self.reader.forwards
+
+    def read(self, start, window, n, clean: bool):
+        if self.committed:  # the selection rules finish a block whose window is clean in that very step
+            raise RuntimeError("a block whose clean window was committed still has [MASK] left")
+        self.committed = clean and self.clean_commits
+        pending = 0 if self.pending is None else self.pending.shape[1]
+        ids = window if self.pending is None else torch.cat([self.pending, window], 1)
+        commit = pending + (window.shape[1] if self.committed else 0)
+        self.pending = None
+        return self.reader.read(ids, commit, keep=slice(pending, pending + n))
+
+    def commit(self, window):
+        if not self.committed:
+            self.pending = window
+        self.committed = False
+
+    def close(self):
+        if self.pinned:
+            self.prefix_cache.release(self.pinned)
+            self.pinned = []
+
+
+class Recompute:
+    """Committed tokens kept as ids: every read recomputes the full layout."""
+
+    def __init__(self, model, r):
+        self.model, self.forwards = model, 0
+        head, head_mask = _head(model, r)
+        self.ids, self.layouts = [], []
+        self.next_position = torch.zeros(head.shape[0], dtype=torch.long, device=head.device)
+        self.next_chunk = 0
+        if head.shape[1]:
+            self._append(head, model.prompt_layout(head_mask), head_mask)
+
+    def _append(self, ids, layout, mask):
+        self.ids.append(ids)
+        self.layouts.append(layout)
+        self.next_position = self.next_position + mask.sum(1)
+        self.next_chunk = int(layout.chunks.max()) + 1
+
+    def read(self, start, window, n, clean: bool):
+        win = Layout.span(torch.ones_like(window), start=self.next_position, noisy=True, chunk=self.next_chunk)
+        ids = torch.cat([*self.ids, window], 1)
+        first = ids.shape[1] - window.shape[1]
+        self.forwards += 1
+        return self.model(ids, layout=Layout.cat(*self.layouts, win), logits_to_keep=slice(first, first + n)).logits
+
+    def commit(self, window):
+        mask = torch.ones_like(window)
+        self._append(window.clone(), Layout.span(mask, start=self.next_position, chunk=self.next_chunk), mask)
+
+    def close(self):
+        pass
+
+
+class Canvas:
+    """Bidirectional models: the canvas [prompt ; generated], with [MASK] where nothing is decoded yet; blocks are
+    filled semi-autoregressively (positions beyond the current block are not candidates). Under `shift` (Dream)
+    canvas position p is predicted by the logits of p - 1."""
+
+    def __init__(self, model, r, canvas):
+        self.model, self.canvas, self.forwards = model, canvas, 0
+        batch, self.prompt_len = r.input_ids.shape
+        self.lead = int(model.config.prediction == "shift")
+        self.mask = torch.cat([r.attention_mask, r.attention_mask.new_ones(batch, canvas.shape[1] - self.prompt_len)], 1)
+        self.approximate, self.cache, self.block = r.approximate_cache, None, None
+        self.reuse = None
+        if r.bicache is not None:
+            self.reuse = r.bicache.prepare(model, r.input_ids, r.attention_mask, r.max_new_tokens, self.lead)
+
+    def read(self, start, window, n, clean: bool):
+        model, canvas = self.model, self.canvas
+        first = self.prompt_len + start - self.lead  # the first column whose logits predict this block
+        self.forwards += 1
+        if self.reuse is not None:  # rest column c - P holds canvas column c (c >= padding + P: prepare() sees to it)
+            col = first - self.reuse.prefix_len
+            return self.reuse.logits(canvas)[:, col : col + n]
+        if self.approximate is None:
+            return model(canvas, attention_mask=self.mask, logits_to_keep=slice(first, first + n)).logits
+        if self.block != start:  # block start: one full forward fills the cache, then keep only its left part
+            self.block = start
+            self.cache = KVCache(model.config, canvas.shape[0], canvas.shape[1], model.dtype, model.device)
+            logits = model(canvas, attention_mask=self.mask, cache=self.cache, update_cache=True,
+                           logits_to_keep=slice(first, first + n)).logits
+            self.cache.rewind(first)
+            if self.approximate == "dual":
+                self.cache.stale_end = canvas.shape[1]
+            return logits
+        stop = first + n if self.approximate == "dual" else canvas.shape[1]
+        return model(canvas[:, first:stop], cache=self.cache, logits_to_keep=slice(0, n)).logits
+
+    def commit(self, window):
+        pass
+
+    def close(self):
+        pass

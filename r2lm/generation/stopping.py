@@ -1,0 +1,78 @@
+"""When each row of a generate() call stops (EOS, stop strings, transformers StoppingCriteria, max_new_tokens)
+and what the streamer receives."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Stopper:
+    """Per-row stopping. `stop_at[row]` is the number of generated tokens the row keeps (-1 while running)."""
+
+    def __init__(self, r, batch: int, device):
+        self.eos = torch.tensor(r.eos_ids, dtype=torch.long, device=device)
+        self.pad_id, self.mask_id = r.pad_id, r.mask_id
+        self.stop_strings, self.tokenizer, self.streamer = r.stop_strings, r.tokenizer, r.streamer
+        self.criteria = r.stopping_criteria
+        self.stop_at = torch.full((batch,), -1, dtype=torch.long, device=device)
+
+    @property
+    def finished(self) -> torch.Tensor:
+        return self.stop_at >= 0
+
+    def check_eos(self, block: torch.Tensor, start: int) -> None:
+        """Rows whose block (generated tokens [start, start + L)) holds an EOS with no [MASK] before it stop after
+        that EOS; their still-masked positions become padding (nothing left to decode). No host sync."""
+        if not self.eos.numel():
+            return
+        is_eos = torch.isin(block, self.eos)
+        cols = torch.arange(block.shape[1], device=block.device)
+        first = torch.where(is_eos, cols, block.shape[1]).min(dim=1).values
+        clear = ~((block == self.mask_id) & (cols < first[:, None])).any(dim=1)
+        stop = is_eos.any(dim=1) & clear & ~self.finished
+        self.stop_at = torch.where(stop, start + first + 1, self.stop_at)
+        block.masked_fill_(self.finished[:, None] & (block == self.mask_id), self.pad_id)
+
+    def end_block(self, sequences: torch.Tensor, prompt_len: int, end: int) -> None:
+        """After a block is final (generated tokens [0, end) of sequences [B, prompt_len + n]): stop strings and
+        stopping criteria, on the text so far."""
+        new = sequences[:, prompt_len : prompt_len + end]
+        if self.stop_strings:
+            for row in torch.nonzero(~self.finished).flatten().tolist():
+                tokens = new[row].tolist()
+                if any(s in self.tokenizer.decode(tokens) for s in self.stop_strings):
+                    k = next(k for k in range(1, end + 1)
+                             if any(s in self.tokenizer.decode(tokens[:k]) for s in self.stop_strings))
+                    self.stop_at[row] = k
+        for criterion in self.criteria:
+            done = criterion(self.trim(sequences[:, : prompt_len + end], prompt_len), None)
+            done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)
+            self.stop_at = torch.where(done & ~self.finished, end, self.stop_at)
+
+    def trim(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Sequences with every generated token after each row's stop replaced by padding."""
+        cols = torch.arange(sequences.shape[1], device=sequences.device) - prompt_len
+        after = self.finished[:, None] & (cols >= self.stop_at[:, None])
+        return sequences.masked_fill(after, self.pad_id)
+
+    def count(self, n: int) -> int:
+        """Generated tokens kept, summed over rows, when `n` were decoded per row."""
+        return int(torch.where(self.finished, self.stop_at.clamp(max=n), n).sum())
+
+    def stream(self, tokens: torch.Tensor, start: int | None = None) -> None:
+        """Send committed tokens to the streamer: the prompt first (as transformers' generate does), then each
+        block; for a single row, only the tokens before its stop."""
+        if self.streamer is None:
+            return
+        if start is not None:
+            if tokens.shape[0] == 1 and self.finished[0]:
+                tokens = tokens[:, : max(0, int(self.stop_at[0]) - start)]
+            else:
+                cols = start + torch.arange(tokens.shape[1], device=tokens.device)
+                tokens = tokens.masked_fill(self.finished[:, None] & (cols >= self.stop_at[:, None]), self.pad_id)
+        if tokens.numel():
+            self.streamer.put(tokens.cpu())
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()

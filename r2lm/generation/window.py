@@ -1,0 +1,93 @@
+"""Window reads against one KVCache for a whole generate() call: the lean decode step (gpt-fast style).
+
+A decoder runs a handful of forward shapes over and over: the first window alone; a finished block's clean
+columns followed by the next window (the block is committed in the same forward that reads the window: "fused
+commit"); a clean window committed as it is read (the AR case). For each shape this keeps, for the whole call:
+
+- the in-input attention predicate, from a template Layout of that shape (the Layout stays the one description
+  of who sees whom), as an additive float mask;
+- a [B, 1, T, max_length] mask buffer: the cache's valid columns, then the in-input predicate at the columns the
+  input is written to. It is brought up to date in place when the cache has grown (once per block), and each
+  forward takes a view of it: no mask is built per step;
+- the sidecar's scope as a slice (the window's columns): no gather, no index arithmetic.
+
+So a forward costs no host synchronisation. With `compile=True` the forward (stack and LM head) goes through
+torch.compile with static shapes: attention reads all max_length cache columns (the mask hides those not yet
+written) and keys and values are written at tensor positions, so the compiled step does not depend on the
+cache length and compiles once per shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r2lm.layout import Layout
+from r2lm.modeling_r2lm import ForwardPlan
+
+
+class _Shape:
+    """One forward shape: `commit` leading clean columns (appended to the cache), then a window of T - commit
+    columns; commit == T: a clean window, read and committed at once (no sidecar)."""
+
+    def __init__(self, model, cache, width: int, commit: int):
+        config, device = model.config, cache.valid.device
+        parts = []
+        if commit:
+            parts.append(Layout.span(torch.ones(1, commit, device=device), chunk=0))
+        if commit < width:
+            parts.append(Layout.span(torch.ones(1, width - commit, device=device), start=commit, noisy=True, chunk=1))
+        template = Layout.cat(*parts)
+        own, earlier = template.mask_parts(config.attention)
+        dtype = model.dtype
+        self.inner = torch.zeros(1, 1, width, width, dtype=dtype, device=device).masked_fill(
+            ~(own | earlier)[:, None], float("-inf"))
+        self.own, self.earlier = (own[:, None], earlier[:, None]) if config.hybrid_layers else (None, None)
+        self.windows = slice(commit, width) if commit < width and config.sidecar_layers else None
+        self.width, self.commit = width, commit
+        self.mask = torch.full((cache.batch_size, 1, width, cache.max_length), float("-inf"), dtype=dtype, device=device)
+        self.length = None  # the cache length the mask is in step with
+
+    def sync(self, cache) -> None:
+        """Columns [0, length) show the cache's valid tokens, the next `width` the in-input predicate."""
+        old, new = self.length or 0, cache.length
+        if self.length == new:
+            return
+        visible = cache.valid[:, None, None, old:new]
+        self.mask[..., old:new] = torch.where(visible, 0.0, float("-inf")).to(self.mask.dtype)
+        self.mask[..., new : new + self.width] = self.inner
+        self.length = new
+
+
+class WindowReader:
+    def __init__(self, model, cache, compile: bool = False):
+        self.model, self.cache, self.static = model, cache, compile
+        self.shapes: dict[tuple[int, int], _Shape] = {}
+        self.offsets = torch.arange(cache.max_length, device=cache.valid.device)
+        self.forwards = 0
+        self._run = torch.compile(self._logits, dynamic=False) if compile else self._logits
+
+    def read(self, ids: torch.Tensor, commit: int, keep: slice) -> torch.Tensor:
+        """Logits of the columns `keep` of ids [B, T], whose `commit` leading columns are appended to the cache."""
+        cache, width = self.cache, ids.shape[1]
+        cache.check_room(width)
+        shape = self.shapes.get((width, commit))
+        if shape is None:
+            shape = self.shapes[(width, commit)] = _Shape(self.model, cache, width, commit)
+        shape.sync(cache)
+        length = cache.length
+        keys = cache.max_length if self.static else length + width
+        positions = cache.next_position[:, None] + self.offsets[:width]
+        cos, sin = self.model.model.rotary_emb(self.model.lm_head.weight, positions)
+        plan = ForwardPlan(
+            cos=cos, sin=sin, mask=shape.mask[..., :keys], own=shape.own, earlier=shape.earlier, windows=shape.windows,
+            columns=cache.columns[length : length + width], keys=keys, commit=commit,
+        )
+        logits = self._run(ids, plan, cache, keep)
+        if commit:
+            cache.advance(commit)
+        self.forwards += 1
+        return logits
+
+    def _logits(self, ids, plan: ForwardPlan, cache, keep: slice) -> torch.Tensor:
+        h = self.model.model(ids, plan, cache).last_hidden_state
+        return self.model.lm_head(h[:, keep])
