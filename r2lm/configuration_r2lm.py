@@ -8,6 +8,8 @@ linear attention.
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -135,6 +137,15 @@ class R2LMConfig(PreTrainedConfig):
         self.hybrid_layers = sorted(self.hybrid_layers or [])
         super().__post_init__(**kwargs)
         self._check()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers sets keyword overrides (`from_pretrained(path, num_hidden_layers=6)`) on the built config, past
+        the checks of __post_init__: give them to the constructor instead, so they are checked (and derived from) like
+        the file's own values. dtype keeps transformers' handling ("auto" means the file's)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"dtype"}
+        overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in fields}
+        return super().from_dict({**config_dict, **overrides}, **kwargs)
 
     def _check_fields(self, torch_dtype=None) -> None:
         """Each field on its own: its type and range (FIELD_RULES), and the dtype's name."""
