@@ -5,9 +5,12 @@ import json
 import re
 
 import pytest
+import torch
 
-from conftest import tiny_r2lm
-from r2lm import R2LMForDiffusionLM
+from conftest import MASK_ID, VOCAB, tiny_r2lm
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.cache import weight_fingerprint
+from r2lm.prefix import PrefixCache
 
 # ------------------------------------------------------------------------------------------ item 7: strict loading
 
@@ -59,3 +62,73 @@ def test_from_pretrained_still_loads_matching_checkpoints(tied_checkpoint, tmp_p
     untied.save_pretrained(tmp_path / "untied")
     loaded = R2LMForDiffusionLM.from_pretrained(tmp_path / "untied")
     assert all(v.equal(untied.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+# ------------------------------------------------------------------------------- item 2: a PrefixCache serves one model
+
+
+def prompt_ids(n, seed):
+    return torch.randint(0, MASK_ID, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_prefix_cache_refuses_a_model_with_other_weights():
+    """Before: model B (same config, other weights) was served model A's cached keys and values."""
+    a, b = tiny_r2lm(seed=0, sidecar_layers=[1]), tiny_r2lm(seed=1, sidecar_layers=[1])
+    cache, prompt = PrefixCache(4096, block_tokens=4), prompt_ids(21, seed=0)
+    generate(a, prompt, max_new_tokens=4, prefix_cache=cache)
+    with pytest.raises(ValueError, match="a model with other weights .*use one PrefixCache per model"):
+        generate(b, prompt, max_new_tokens=4, prefix_cache=cache)
+    b.load_state_dict(a.state_dict())  # now the same weights: served
+    generate(b, prompt, max_new_tokens=4, prefix_cache=cache)
+    assert cache.stats.hit_tokens == 20
+
+
+def test_weight_fingerprint_follows_the_weights(tmp_path):
+    model = tiny_r2lm(sidecar_layers=[1])
+    first = weight_fingerprint(model)
+    assert weight_fingerprint(model) == first  # memoised
+    model.save_pretrained(tmp_path / "m")
+    assert weight_fingerprint(R2LMForDiffusionLM.from_pretrained(tmp_path / "m")) == first  # a reload is the same model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(prompt_ids(8, seed=0)).logits.sum().backward()
+    optimizer.step()  # written in place: the version counters move
+    stepped = weight_fingerprint(model)
+    assert stepped != first
+    with torch.no_grad():
+        model.model.layers[1].sidecar.gate.fill_(0.5)  # one scalar: every tensor is sampled
+    assert weight_fingerprint(model) not in (first, stepped)
+    assert weight_fingerprint(model.to(torch.float64)) != weight_fingerprint(model.to(torch.float32))
+
+
+# ------------------------------------------------------------------------ item 8: a failed prefill pins nothing
+
+
+def ctrl_c(module, args):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("failure", ["ctrl_c", "out_of_vocabulary"])
+def test_a_request_that_fails_in_prefill_leaves_no_block_pinned(failure):
+    """Before: the blocks the failed request had matched stayed pinned for ever; once they filled the cache, it
+    cached nothing (0 hit tokens for a repeated prompt)."""
+    model = tiny_r2lm(sidecar_layers=[1])
+    cache = PrefixCache(32, block_tokens=4, policy="lru")  # 8 blocks
+    document = prompt_ids(37, seed=0)
+    generate(model, document, max_new_tokens=4, prefix_cache=cache)
+    assert len(cache) == 8  # full: 32 of its 36 prefilled tokens
+    if failure == "ctrl_c":  # the request matches the 8 blocks, then Ctrl-C hits its first forward
+        prompt, hook = document, model.register_forward_pre_hook(ctrl_c)
+        expected = KeyboardInterrupt
+    else:  # the request matches the 8 blocks; the rest holds an id outside the vocabulary
+        prompt, hook = torch.cat([document[:, :34], torch.tensor([[VOCAB + 5]]), document[:, 34:]], 1), None
+        expected = (IndexError, ValueError)
+    with pytest.raises(expected):
+        generate(model, prompt, max_new_tokens=4, prefix_cache=cache)
+    if hook is not None:
+        hook.remove()
+    assert cache.stats.hit_tokens == 32  # it had pinned the 8 blocks...
+    assert all(block.refs == 0 for block in cache.blocks.values())  # ...and released them
+    other = prompt_ids(37, seed=1)
+    generate(model, other, max_new_tokens=4, prefix_cache=cache)  # evicts the old blocks
+    generate(model, other, max_new_tokens=4, prefix_cache=cache)
+    assert cache.stats.hit_tokens == 32 + 32
