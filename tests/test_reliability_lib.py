@@ -3,6 +3,9 @@ input clearly and leave nothing behind."""
 
 import json
 import re
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from conftest import MASK_ID, VOCAB, tiny_r2lm
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.cache import weight_fingerprint
 from r2lm.prefix import PrefixCache
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------ item 7: strict loading
 
@@ -132,3 +137,18 @@ def test_a_request_that_fails_in_prefill_leaves_no_block_pinned(failure):
     generate(model, other, max_new_tokens=4, prefix_cache=cache)  # evicts the old blocks
     generate(model, other, max_new_tokens=4, prefix_cache=cache)
     assert cache.stats.hit_tokens == 32 + 32
+
+
+# ------------------------------------------------------------------- item 15: scripts/generate.py on a bad path
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda tmp: tmp / "missing", "missing: no such checkpoint folder"),
+    (lambda tmp: tmp, "is not a checkpoint folder: it has no config.json"),
+])
+def test_generate_script_names_a_bad_checkpoint_path(tmp_path, make, message, monkeypatch, capsys):
+    """Before: transformers' "Repo id must be in the form ..." traceback (exit status 1)."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", str(make(tmp_path)), "--prompt", "The"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "scripts" / "generate.py"), run_name="__main__")
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
