@@ -14,7 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import tiny_r2lm, tiny_tokenizer  # noqa: E402
+from conftest import tiny_hf_config, tiny_r2lm, tiny_tokenizer  # noqa: E402
 
 from eval import likelihood as lk  # noqa: E402
 
@@ -134,7 +134,6 @@ def hf_and_r2lm(tmp_path):
     """A tiny transformers Qwen3 with a tokenizer (with a BOS or not) and its R2LM conversion (same weights)."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import tiny_hf_config
     from convert.from_hf import convert_from_hf
 
     def make(bos: bool):
