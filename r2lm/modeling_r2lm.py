@@ -272,8 +272,9 @@ def _refuse_partial_load(info: dict, source, shown: int = 5) -> None:
             more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
             problems.append(f"{len(keys)} weight{'s' * (len(keys) > 1)} {what}: {', '.join(keys[:shown])}{more}")
     if problems:
+        origin = "the state_dict given" if source is None else f"checkpoint {source}"
         raise ValueError(
-            f"checkpoint {source} does not match its config: {'; '.join(problems)}. Check the config values that "
+            f"{origin} does not match its config: {'; '.join(problems)}. Check the config values that "
             "shape the model (num_hidden_layers, tie_word_embeddings, sidecar_layers, hybrid_layers, ...) against the "
             "checkpoint; new sidecar or block-hybrid layers are added by conversion (python -m convert from-hf / "
             "to-hybrid)"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MASK_ID, VOCAB, tiny_r2lm
+from conftest import MASK_ID, VOCAB, tiny_r2lm, tiny_r2lm_config
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.cache import weight_fingerprint
 from r2lm.prefix import PrefixCache
@@ -45,6 +45,13 @@ def test_from_pretrained_refuses_weights_that_do_not_match_the_config(tied_check
         fields = {}
     with pytest.raises(ValueError, match=f"checkpoint {re.escape(str(tied_checkpoint))} does not match its config: {message}"):
         R2LMForDiffusionLM.from_pretrained(tied_checkpoint, **fields)
+
+
+def test_from_pretrained_refuses_a_state_dict_that_does_not_match_the_config():
+    """The way deepspeed-to-hf builds its model: a config and a state dict."""
+    state = tiny_r2lm().state_dict()
+    with pytest.raises(ValueError, match=r"the state_dict given does not match its config: 22 weights missing"):
+        R2LMForDiffusionLM.from_pretrained(None, config=tiny_r2lm_config(num_hidden_layers=6), state_dict=state)
 
 
 @pytest.mark.parametrize("layers", [0, -1])
