@@ -57,9 +57,14 @@ def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
     )
 
 
-def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor], fresh=lambda name: ".sidecar." in name) -> None:
-    """Copy a state dict into `model` by name. Every tensor but the `fresh` ones (new layers, which keep their
-    initialisation) must be present with the right shape, and nothing else may be."""
+def is_sidecar_weight(name: str) -> bool:
+    return ".sidecar." in name
+
+
+def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor], *, fresh) -> None:
+    """Copy a state dict into `model` by name. Every tensor but the `fresh(name)` ones (the layers this conversion
+    adds, which keep their initialisation; each converter names its own) must be present with the right shape, and
+    nothing else may be."""
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -131,7 +136,7 @@ def convert_from_hf(
 
     logger.info("building R2LM (%s, %d layers, sidecars on %s) in %s", arch, config.num_hidden_layers, config.sidecar_layers, dtype)
     model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
-    load_backbone(model, state)
+    load_backbone(model, state, fresh=is_sidecar_weight)
     if new_token or mask_token_id >= model.config.vocab_size:
         add_mask_row(model, mask_token_id)
     model.config.mask_token_id = mask_token_id

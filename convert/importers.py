@@ -366,7 +366,7 @@ def import_checkpoint(
     mask_token_id / block_size override the config's (or the layout's default); sidecar_layers and sidecar
     (sidecar_d_state, sidecar_expand, ...) add zero-gated reverse Mamba sidecars, which only causal and
     block_causal models accept; dtype defaults to the stored weights'. Returns `dst`."""
-    from convert.from_hf import load_backbone
+    from convert.from_hf import is_sidecar_weight, load_backbone
     from r2lm import R2LMConfig, R2LMForDiffusionLM
 
     spec = LAYOUTS[layout]
@@ -395,7 +395,7 @@ def import_checkpoint(
     expected = model.state_dict()
     for t in tensors:
         _check_shape(t.src, t.value, expected[t.dst].shape)
-    load_backbone(model, {t.dst: t.value.to(dtype) for t in tensors})
+    load_backbone(model, {t.dst: t.value.to(dtype) for t in tensors}, fresh=is_sidecar_weight)
     model.config._check()
 
     tokenizer = _load_tokenizer(src, config.mask_token_id) if has_tokenizer(src) else None

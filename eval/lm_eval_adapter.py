@@ -22,7 +22,11 @@ model_args (all optional but `pretrained`):
     greedy_check    compute is_greedy of loglikelihood requests (default true; false reports False)
     seed            mask seed of the estimator (default 0)
     max_length      context limit in tokens (default: config.max_position_embeddings)
-    device, dtype   default cuda if available / bfloat16 on cuda, float32 on cpu
+    prefix_token_id the token rolling windows and empty contexts are conditioned on (default, as lm-eval's own hf
+                    model: the tokenizer's BOS, else its EOS)
+    device, dtype   default cuda if available / bfloat16 on cuda, float32 on cpu. lm-eval's CLI passes its --device
+                    (default cuda:0) to every backend: a device this machine lacks falls back to that default, with a
+                    warning, as lm-eval's hf model does
 
 Requests:
     loglikelihood          exact next-token log-likelihood (ar) or LLaDA's Monte-Carlo ELBO estimate (diffusion:
@@ -54,6 +58,30 @@ logger = logging.getLogger("eval.lm_eval_adapter")
 NAME = "r2lm"
 
 
+def resolve_device(device: str | None) -> str:
+    """`device`, or the default (cuda if available, else cpu) when it is None or a device this machine lacks: lm-eval's
+    HFLM falls back the same way for a device outside the ones it finds (it only logs it; we warn)."""
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None:
+        return default
+    try:
+        wanted = torch.device(device)
+    except RuntimeError:  # not a device name at all
+        wanted = None
+    if wanted is not None and _available(wanted):
+        return str(device)
+    logger.warning("device %r is not available on this machine; using %s", device, default)
+    return default
+
+
+def _available(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    if device.type == "mps":
+        return torch.backends.mps.is_available()
+    return True  # cpu, or an accelerator torch has no common probe for: loading the model onto it will tell
+
+
 def _flag(value) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -68,7 +96,8 @@ class R2LMEvalLM(TemplateLM):
     def __init__(self, pretrained=None, model=None, tokenizer=None, mode: str = "auto", mc_num: int = 128,
                  mc_batch_size: int | None = None, batch_size=None, block_size: int | None = None,
                  threshold: float = 0.9, greedy_check=True, seed: int = 0, max_length: int | None = None,
-                 device: str | None = None, dtype: str = "auto", max_batch_size=None, **unused):
+                 prefix_token_id: int | None = None, device: str | None = None, dtype: str = "auto",
+                 max_batch_size=None, **unused):
         super().__init__()
         if unused:
             logger.warning("ignoring model_args %s", sorted(unused))
@@ -77,7 +106,7 @@ class R2LMEvalLM(TemplateLM):
         if model is None:
             if pretrained is None:
                 raise ValueError("give pretrained=PATH (an R2LM checkpoint folder)")
-            model, tok = lk.load_model(str(pretrained), device, dtype)
+            model, tok = lk.load_model(str(pretrained), resolve_device(device), dtype)
             tokenizer = tokenizer or tok
         if isinstance(tokenizer, str) or tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(pretrained))
@@ -97,8 +126,9 @@ class R2LMEvalLM(TemplateLM):
         self._device = model.device
         eos = lk.eos_of(tokenizer, model)
         if eos is None:
-            raise ValueError("the tokenizer defines no EOS token (lm-eval's prefix token)")
+            raise ValueError("the tokenizer defines no EOS token (lm-eval's end-of-text token)")
         self._eot = eos
+        self._prefix = int(prefix_token_id) if prefix_token_id is not None else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         logger.info("r2lm backend: %s", lk.describe(model, self.mode))
 
@@ -106,6 +136,16 @@ class R2LMEvalLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What lm-eval's HFLM conditions rolling windows and empty contexts on: the given prefix_token_id, else the
+        tokenizer's BOS, else EOS (TemplateLM's default is always EOS)."""
+        if self._prefix is not None:
+            return self._prefix
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
         return self._eot
 
     @property
@@ -124,10 +164,17 @@ class R2LMEvalLM(TemplateLM):
 
     # ---------------------------------------------------------------- scoring
 
+    @property
+    def _request_tokens(self) -> int:
+        """Context + continuation tokens one scored request may have: the model reads them all, but an AR model never
+        reads the continuation's last token (it only predicts it), as in lm-eval's HFLM."""
+        return self.max_length + (self.mode == "ar")
+
     def _score(self, context: list[int], continuation: list[int], greedy: bool) -> tuple[float, bool]:
-        if len(continuation) > self.max_length - 1:
+        room = self._request_tokens
+        if len(continuation) > room - 1:
             raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in max_length {self.max_length}")
-        context = context[-(self.max_length - len(continuation)) :]
+        context = context[-(room - len(continuation)) :]
         ll = scoring.answer_loglikelihood(self.model, context, continuation, mode=self.mode, mc_num=self.mc_num,
                                           batch_size=self.mc_batch_size, block_size=self.block_size, seed=self.seed,
                                           caches=self.caches)
@@ -150,8 +197,8 @@ class R2LMEvalLM(TemplateLM):
         for req in tqdm(requests, desc="r2lm loglikelihood_rolling", disable=disable_tqdm or self.rank):
             (string,) = req.args
             windows = map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1))
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                max_seq_len=self._request_tokens - 1, context_len=1))
             total = sum(self._score(ctx, cont, False)[0] for ctx, cont in windows)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)

@@ -8,13 +8,55 @@ linear attention.
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 ATTENTION_KINDS = ("causal", "block_causal", "bidirectional")
 PREDICTIONS = ("shift", "inplace")
 # RoPE types whose frequencies do not depend on the sequence length: a cached key stays exact. "dynamic" and
 # "longrope" rescale with the current length, which would silently invalidate every cached key.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON `true` is no layer count
+
+
+def _is_positive_int(value) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int_list(value) -> bool:
+    return isinstance(value, list | tuple) and all(map(_is_int, value))
+
+
+# (fields, test, what a valid value is): what each field must be on its own; checks between fields are in _check.
+FIELD_RULES = (
+    (("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+      "max_position_embeddings", "block_size", "sidecar_d_state", "sidecar_expand", "sidecar_headdim",
+      "sidecar_ngroups", "sidecar_chunk_size", "sidecar_d_conv", "hybrid_feature_dim"),
+     _is_positive_int, "a positive integer"),
+    (("num_key_value_heads", "head_dim"), lambda v: v is None or _is_positive_int(v),
+     "a positive integer (or null, to derive it)"),
+    (("rms_norm_eps",), lambda v: _is_number(v) and v > 0, "a positive number"),
+    (("initializer_range",), lambda v: _is_number(v) and v >= 0, "a non-negative number"),
+    (("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "hybrid_tie_feature_maps"),
+     lambda v: isinstance(v, bool), "true or false"),
+    (("mask_token_id", "pad_token_id", "bos_token_id"), lambda v: v is None or _is_int(v), "a token id (or null)"),
+    (("eos_token_id",), lambda v: v is None or _is_int(v) or _is_int_list(v), "a token id, a list of them (or null)"),
+    (("sidecar_layers", "hybrid_layers"), lambda v: v is None or _is_int_list(v), "a list of layer indices"),
+    (("attention",), lambda v: v in ATTENTION_KINDS, f"one of {ATTENTION_KINDS}"),
+    (("prediction",), lambda v: v in PREDICTIONS, f"one of {PREDICTIONS}"),
+    (("hidden_act",), lambda v: isinstance(v, str) and v in ACT2FN, "an activation name of transformers' ACT2FN"),
+    (("rope_parameters",), lambda v: v is None or isinstance(v, dict), "a dict (or null)"),
+)
 
 
 class R2LMConfig(PreTrainedConfig):
@@ -81,6 +123,7 @@ class R2LMConfig(PreTrainedConfig):
     hybrid_tie_feature_maps: bool = True
 
     def __post_init__(self, **kwargs):
+        self._check_fields(torch_dtype=kwargs.get("torch_dtype"))  # before the defaults below compute with them
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -90,26 +133,45 @@ class R2LMConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self.sidecar_layers = sorted(int(i) for i in (self.sidecar_layers or []))
-        self.hybrid_layers = sorted(int(i) for i in (self.hybrid_layers or []))
+        self.sidecar_layers = sorted(self.sidecar_layers or [])
+        self.hybrid_layers = sorted(self.hybrid_layers or [])
         super().__post_init__(**kwargs)
         self._check()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers sets keyword overrides (`from_pretrained(path, num_hidden_layers=6)`) on the built config, past
+        the checks of __post_init__: give them to the constructor instead, so they are checked (and derived from) like
+        the file's own values. dtype keeps transformers' handling ("auto" means the file's)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"dtype"}
+        overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in fields}
+        return super().from_dict({**config_dict, **overrides}, **kwargs)
+
+    def _check_fields(self, torch_dtype=None) -> None:
+        """Each field on its own: its type and range (FIELD_RULES), and the dtype's name."""
+        for names, valid, expected in FIELD_RULES:
+            for name in names:
+                value = getattr(self, name)
+                if not valid(value):
+                    raise ValueError(f"{name} must be {expected}, got {value!r}")
+        for name, value in (("dtype", self.dtype), ("torch_dtype", torch_dtype)):  # a name, or a torch.dtype
+            if value is not None and (value if isinstance(value, str) else str(value).removeprefix("torch.")) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {value!r}")
+
     def _check(self) -> None:
         """Every bad value raises a ValueError that names it, at construction and at load time."""
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention kind {self.attention!r}; expected one of {ATTENTION_KINDS}")
-        if self.prediction not in PREDICTIONS:
-            raise ValueError(f"unknown prediction {self.prediction!r}; expected one of {PREDICTIONS}")
+        self._check_fields()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) is not divisible by num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, list | tuple) else [] if value is None else [value]
+            if any(not 0 <= i < self.vocab_size for i in ids):
+                verb = "has ids" if isinstance(value, list | tuple) else "is"
+                raise ValueError(f"{name} {value} {verb} outside the vocabulary [0, {self.vocab_size})")
         for name in ("sidecar_layers", "hybrid_layers"):
             layers = getattr(self, name)
             bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]

@@ -178,6 +178,19 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
 
         self.generation_config = decoding_generation_config(config, self.generation_config)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
+        """transformers' `from_pretrained`, made strict: a checkpoint whose weights are not exactly the ones its config
+        describes is refused with a ValueError naming them (transformers would keep a missing weight at its random
+        initialisation and drop an unexpected one, with a warning).
+
+        There is no exception here on purpose: modules a conversion adds (sidecars, block-hybrid feature maps and
+        gates, a [MASK] embedding row) are added by the converters (python -m convert), which build the model from
+        its config and load the backbone themselves, naming the new weights explicitly."""
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        _refuse_partial_load(info, pretrained_model_name_or_path)
+        return (model, info) if output_loading_info else model
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -340,6 +353,25 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
             if param.requires_grad:
                 trainable.append(name)
         return trainable
+
+
+def _refuse_partial_load(info: dict, source, shown: int = 5) -> None:
+    """Raise if a checkpoint lacked weights the model has, or held weights it has no place for."""
+    problems = []
+    for keys, what in ((info["missing_keys"], "missing from the checkpoint (they would stay randomly initialised)"),
+                       (info["unexpected_keys"], "in the checkpoint but not in the model its config describes")):
+        if keys:
+            keys = sorted(keys)
+            more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+            problems.append(f"{len(keys)} weight{'s' * (len(keys) > 1)} {what}: {', '.join(keys[:shown])}{more}")
+    if problems:
+        origin = "the state_dict given" if source is None else f"checkpoint {source}"
+        raise ValueError(
+            f"{origin} does not match its config: {'; '.join(problems)}. Check the config values that "
+            "shape the model (num_hidden_layers, tie_word_embeddings, sidecar_layers, hybrid_layers, ...) against the "
+            "checkpoint; new sidecar or block-hybrid layers are added by conversion (python -m convert from-hf / "
+            "to-hybrid)"
+        )
 
 
 def _ones_if_none(attention_mask, input_ids):

@@ -6,11 +6,22 @@
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, TextStreamer
 
 from r2lm import R2LMForDiffusionLM, generate
+
+
+def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
+    """Exit with a usage error (status 2) unless `checkpoint` is a checkpoint folder: transformers would take a
+    missing path for a hub repo id and fail with a message about repo ids."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        parser.error(f"{checkpoint}: no such checkpoint folder")
+    if not (folder / "config.json").is_file():
+        parser.error(f"{checkpoint} is not a checkpoint folder: it has no config.json")
 
 
 def main() -> None:
@@ -25,6 +36,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="recompute everything every step (the exactness oracle)")
     args = parser.parse_args()
+    check_checkpoint(parser, args.checkpoint)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)

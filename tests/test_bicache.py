@@ -237,6 +237,8 @@ def test_store_refuses_other_models():
     store.add(bidir(), ids(5))
     with pytest.raises(ValueError, match="different configuration"):
         store.add(bidir(hidden_size=32, head_dim=8), ids(5))
+    with pytest.raises(ValueError, match="a model with other weights"):  # same config, other weights: not its K/V
+        store.prepare(bidir(seed=1), ids(5)[None], torch.ones(1, 5, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="profiled for 4 layers"):
         BiCache(fixed(2)).add(bidir(num_hidden_layers=3), ids(5))
     with pytest.raises(ValueError, match="block-hybrid"):

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import tiny_r2lm, tiny_tokenizer  # noqa: E402
+from conftest import tiny_hf_config, tiny_r2lm, tiny_tokenizer  # noqa: E402
 
 from r2lm import scoring as sc  # noqa: E402
 
@@ -124,3 +124,62 @@ def test_cli_entry_point_runs_lm_eval(checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = list((tmp_path / "out").rglob("results*.json"))
     assert results and "r2lm_tiny_mc" in json.loads(results[0].read_text())["results"]
+
+
+# ---------------------------------------------------------------------------------- as lm-eval's own hf model
+
+
+@pytest.fixture
+def hf_and_r2lm(tmp_path):
+    """A tiny transformers Qwen3 with a tokenizer (with a BOS or not) and its R2LM conversion (same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from convert.from_hf import convert_from_hf
+
+    def make(bos: bool):
+        tok = tiny_tokenizer()
+        if bos:
+            tok.add_special_tokens({"bos_token": "<|startoftext|>"})
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tok) + 1))
+        hf.save_pretrained(tmp_path / "hf")
+        tok.save_pretrained(tmp_path / "hf")
+        # [MASK] on the spare row: no row is added, so the two models' logits are the same
+        return tmp_path / "hf", convert_from_hf(tmp_path / "hf", tmp_path / "r2lm", mask_token_id=len(tok))
+    return make
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["bos", "no-bos"])
+def test_rolling_loglikelihood_matches_lm_evals_hf_model(hf_and_r2lm, bos):
+    """Before: the r2lm backend conditioned rolling windows on EOS where lm-eval's HFLM uses BOS (up to 0.95 nat per
+    document apart)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from eval.lm_eval_adapter import R2LMEvalLM
+
+    hf_path, r2lm_path = hf_and_r2lm(bos)
+    theirs = HFLM(pretrained=str(hf_path), device="cpu", dtype="float32", batch_size=1)
+    ours = R2LMEvalLM(pretrained=str(r2lm_path), device="cpu", mode="ar")
+    assert ours.prefix_token_id == theirs.prefix_token_id
+    assert (ours.prefix_token_id == ours.tokenizer.bos_token_id) if bos else ours.prefix_token_id == ours.eot_token_id
+    texts = ["the quick brown fox jumps over the lazy dog", "a diffusion model decodes many tokens at once " * 30]
+    requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+    assert len(ours.tok_encode(texts[1])) > ours.max_length  # several rolling windows
+    assert ours.loglikelihood_rolling(requests) == pytest.approx(theirs.loglikelihood_rolling(requests), abs=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_lm_evals_default_cuda_device_falls_back_to_cpu(hf_and_r2lm, caplog):
+    """lm-eval's CLI passes --device cuda:0 by default. Before: "Torch not compiled with CUDA enabled"."""
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
+
+    import eval.lm_eval_adapter  # noqa: F401  (registers "r2lm")
+
+    hf_path, r2lm_path = hf_and_r2lm(bos=False)
+    assert HFLM(pretrained=str(hf_path), device="cuda:0", dtype="float32").device == torch.device("cpu")
+    with caplog.at_level("WARNING", logger="eval.lm_eval_adapter"):  # as simple_evaluate builds it for the CLI
+        lm = get_model("r2lm").create_from_arg_string(f"pretrained={r2lm_path},mode=ar", {"device": "cuda:0", "batch_size": 1})
+    assert lm.model.device == torch.device("cpu") and lm.model.dtype == torch.float32
+    assert "device 'cuda:0' is not available on this machine; using cpu" in caplog.text

@@ -106,12 +106,8 @@ def decode(model, r: Request) -> GenerateOutput:
             window = canvas[:, columns]  # a view: it follows the unmasking
             inputs = min(columns.stop - prompt_len, end) - start  # block positions that are window inputs
             counts = schedule(block == r.mask_id, steps_per_block) if steps_per_block else None
+            masked, window_masked, done = block == r.mask_id, inputs > 0, False  # a running row's new block: all [MASK]
             for i in range(end - start):  # at least one token per row and step: at most L steps
-                masked = block == r.mask_id
-                # the one host sync of a step: is anything left to decode, and is the window clean
-                left, window_masked = torch.stack([masked.any(), masked[:, :inputs].any()]).tolist()
-                if not left:
-                    break
                 logits = context.read(start, window, end - start, clean=not window_masked)
                 tokens, conf = propose(logits, r.mask_id, r.temperature, r.top_k, r.top_p, r.confidence, r.generator)
                 take = select(conf, masked, r.threshold, r.factor, counts[:, i] if counts is not None else None)
@@ -120,9 +116,16 @@ def decode(model, r: Request) -> GenerateOutput:
                     r.step_callback(StepInfo(step, start, masked, tokens, conf, take, logits))
                 stopper.check_eos(block, start)
                 step += 1
-            stopper.end_block(canvas, prompt_len, end)
+                masked = block == r.mask_id
+                # the one host sync of a step: anything left in the block, is its window clean, has every row stopped
+                flags = int(masked.any() * 4 + masked[:, :inputs].any() * 2 + stopper.finished.all())
+                left, window_masked, done = flags >> 2, flags >> 1 & 1, flags & 1
+                if not left:
+                    break
+            if stopper.end_block(canvas, prompt_len, end):  # stop strings / criteria (they read the text anyway)
+                done = bool(stopper.finished.all())
             stopper.stream(block, start)
-            if bool(stopper.finished.all()):
+            if done:
                 break
             context.commit(window)
     finally:

@@ -18,7 +18,6 @@ Unmasking rules (each takes at least one token per row that still has a [MASK]):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 CONFIDENCES = ("max_prob", "margin", "entropy")
 
@@ -77,7 +76,7 @@ def select(conf: torch.Tensor, masked: torch.Tensor, threshold=None, factor=None
     per row, [B], from `schedule`)."""
     scores = conf.masked_fill(~masked, float("-inf"))
     if threshold is not None:  # the surest position of each row always goes, and every other that passes
-        best = F.one_hot(scores.argmax(-1), scores.shape[-1]).bool()
+        best = torch.arange(scores.shape[-1], device=scores.device) == scores.argmax(-1, keepdim=True)
         return (best | (scores >= threshold)) & masked
     order = scores.argsort(dim=-1, descending=True, stable=True)
     rank = order.argsort(dim=-1)  # rank[b, j]: 0 for the most confident masked position of row b

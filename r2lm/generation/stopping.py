@@ -33,9 +33,11 @@ class Stopper:
         self.stop_at = torch.where(stop, start + first + 1, self.stop_at)
         block.masked_fill_(self.finished[:, None] & (block == self.mask_id), self.pad_id)
 
-    def end_block(self, sequences: torch.Tensor, prompt_len: int, end: int) -> None:
+    def end_block(self, sequences: torch.Tensor, prompt_len: int, end: int) -> bool:
         """After a block is final (generated tokens [0, end) of sequences [B, prompt_len + n]): stop strings and
-        stopping criteria, on the text so far."""
+        stopping criteria, on the text so far. Returns whether there were any to check."""
+        if not self.stop_strings and not self.criteria:
+            return False
         new = sequences[:, prompt_len : prompt_len + end]
         if self.stop_strings:
             for row in torch.nonzero(~self.finished).flatten().tolist():
@@ -48,6 +50,7 @@ class Stopper:
             done = criterion(self.trim(sequences[:, : prompt_len + end], prompt_len), None)
             done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)
             self.stop_at = torch.where(done & ~self.finished, end, self.stop_at)
+        return True
 
     def trim(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Sequences with every generated token after each row's stop replaced by padding."""

@@ -52,6 +52,9 @@ class _Shape:
         old, new = self.length or 0, cache.length
         if self.length == new:
             return
+        if new < old:  # a rewound cache (benchmarks): forget the columns after it
+            self.mask[..., new:] = float("-inf")
+            old = new
         visible = cache.valid[:, None, None, old:new]
         self.mask[..., old:new] = torch.where(visible, 0.0, float("-inf")).to(self.mask.dtype)
         self.mask[..., new : new + self.width] = self.inner

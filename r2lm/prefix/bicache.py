@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from r2lm.cache import KVCache, cache_signature
+from r2lm.cache import KVCache, cache_signature, weight_fingerprint
 from r2lm.layout import Layout
 
 BUCKETS = tuple(i / 20 for i in range(20))  # lower edges of 5%-wide prefix-ratio buckets
@@ -222,19 +222,27 @@ class BiCache:
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.stats = Stats()
         self.signature = None
+        self.weights = None  # weight_fingerprint of the model it serves
 
     def bind(self, model) -> None:
-        """Tie the store to one model configuration (entries hold its K/V; the table its depths)."""
+        """Tie the store to one model, its configuration and its weights (entries hold its K/V; the table its
+        depths); another model's requests are refused."""
         _check_model(model)
         config = model.config
         if self.table.num_layers != config.num_hidden_layers:
             raise ValueError(f"the safe-depth table was profiled for {self.table.num_layers} layers, the model has "
                              f"{config.num_hidden_layers}")
         signature = (cache_signature(config), config.attention, config.hidden_size, config.vocab_size)
+        weights = weight_fingerprint(model)
         if self.signature is None:
-            self.signature = signature
+            self.signature, self.weights = signature, weights
         elif signature != self.signature:
             raise ValueError("this BiCache holds prefixes of a model with a different configuration")
+        elif weights != self.weights:
+            raise ValueError(
+                f"this BiCache holds prefixes of a model with other weights (weight fingerprint {self.weights} vs "
+                f"{weights}): use one BiCache per model, and a new one after changing a model's weights"
+            )
 
     @property
     def tokens(self) -> int:

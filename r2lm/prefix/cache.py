@@ -8,6 +8,10 @@ K/V depend only on tokens to its left and in its chunk). Block-hybrid layers hav
 distribution of match depths (r2lm.prefix.placement); a hit resumes from the deepest checkpoint it reaches and
 recomputes the rest exactly.
 
+A cache serves one model: its configuration and its weights (r2lm.cache.weight_fingerprint), bound by the first
+request. Another model's requests, or this model's once its weights changed, are refused rather than served keys
+and values computed by other weights: use one PrefixCache per model, and a new one after training it further.
+
 Blocks in use by a running request are pinned by reference counts; only unpinned leaves (no cached children)
 can be evicted, in the order of an LRU or ARC policy (r2lm.prefix.eviction).
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from r2lm.cache import cache_signature
+from r2lm.cache import cache_signature, weight_fingerprint
 from r2lm.prefix.eviction import make_policy
 from r2lm.prefix.placement import DepthHistogram, place_checkpoints
 
@@ -73,23 +77,31 @@ class PrefixCache:
         self.blocks: dict[int, Block] = {}
         self.stats = Stats()
         self.signature = None
+        self.weights = None  # weight_fingerprint of the model it serves
 
     # ------------------------------------------------------------------ the model it serves
 
     def bind(self, model) -> None:
-        """Tie the cache to one model configuration; another model's requests are refused."""
+        """Tie the cache to one model, its configuration and its weights; another model's requests are refused."""
         config = model.config
         signature = (cache_signature(config), config.attention, config.prediction, config.block_size,
                      config.vocab_size, config.hidden_size)
+        weights = weight_fingerprint(model)
         if self.signature is None:
             if self._chunked(config) and config.block_size % self.block_tokens:
                 raise ValueError(
                     f"block_tokens {self.block_tokens} must divide the model's block_size {config.block_size}: its "
                     "prompts are committed block by block, and cached keys are only reusable up to a block boundary"
                 )
-            self.signature = signature
+            self.signature, self.weights = signature, weights
         elif signature != self.signature:
             raise ValueError("this PrefixCache holds keys of a model with a different configuration")
+        elif weights != self.weights:
+            raise ValueError(
+                "this PrefixCache holds keys and values of a model with other weights (same configuration, weight "
+                f"fingerprint {self.weights} vs {weights}): use one PrefixCache per model, and a new one after "
+                "changing a model's weights"
+            )
 
     @staticmethod
     def _chunked(config) -> bool:
