@@ -233,6 +233,8 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
             raise ValueError(f"input_ids must be [batch, length] with length > 0, got {tuple(input_ids.shape)}")
         if plan is not None and (layout is not None or attention_mask is not None or update_cache):
             raise ValueError("a prebuilt plan replaces layout, attention_mask and update_cache")
+        if labels is not None:
+            self._check_labels(labels, input_ids, layout or plan, logits_to_keep)
         if plan is None:
             if layout is None:
                 if attention_mask is None:
@@ -243,8 +245,6 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
                 raise ValueError(f"layout has {layout.length} columns but input_ids has {input_ids.shape[1]}")
             if update_cache and (cache is None or bool(layout.noisy.any())):
                 raise ValueError("update_cache needs a cache and a layout of clean tokens only (windows are never cached)")
-        if labels is not None:
-            self._check_labels(labels, input_ids, layout, logits_to_keep)
         if cache is not None:
             self._check_cache(cache, input_ids)
         if plan is None:

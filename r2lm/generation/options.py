@@ -32,6 +32,7 @@ def decoding_generation_config(model_config, base: GenerationConfig | None = Non
     """`base` (e.g. the source checkpoint's generation config; default: one from the model config) with the
     decoding defaults added where it has none: the model's block_size and a confidence threshold of 0.9."""
     config = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig.from_model_config(model_config)
+    config._from_model_config = False  # it holds decoding options now: transformers drops those of a "from model" config
     if getattr(config, "block_size", None) is None:
         config.block_size = model_config.block_size
     if not any(getattr(config, rule, None) is not None for rule in RULES):

@@ -17,8 +17,6 @@ sequence, flipped back. The reverse sidecar computes it directly instead of flip
 Shapes: x [B, L, H, P], dt [B, L, H], A [H], B and C [B, L, G, N] with G dividing H, D [H].
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -144,10 +142,15 @@ def _reverse_segsum(x):
     return F.pad(sums[..., :-1], (1, 0)).masked_fill(before, float("-inf"))
 
 
-@functools.cache
+_UPPER: dict = {}
+
+
 def _upper(T: int, diagonal: int, device) -> torch.Tensor:
     """Bool [T, T], True on and above the `diagonal`-th diagonal (built once per size: masks of every forward)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).triu(diagonal)
+    key = (T, diagonal, str(device))
+    if key not in _UPPER:
+        _UPPER[key] = torch.ones(T, T, dtype=torch.bool, device=device).triu(diagonal)
+    return _UPPER[key]
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, reverse: bool = False):
