@@ -3,16 +3,24 @@
     python -m convert from-hf SRC DST [--sidecar-layers 3,7,11] [--mask-token TOKEN] [--d-state N] ...
 
 Every command reads SRC without modifying it and writes DST atomically (a temporary folder renamed when
-complete), refusing an existing DST unless --overwrite is given.
+complete, removed if the command fails or is stopped with SIGTERM or Ctrl-C). DST may not be, contain or lie
+inside a source, or be a training run or checkpoint folder. An existing DST is refused unless --overwrite is given,
+and even then only a folder a conversion wrote (it lists its files in r2lm_manifest.json) or an empty one is
+replaced. New weights (sidecars, feature maps) come from --seed: the same command gives the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 
 import torch
+
+from convert.checkpoint import OVERWRITE_HELP
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +54,8 @@ def add_from_hf(sub) -> None:
     p.add_argument("--ngroups", type=int, default=1, help="sidecar B/C groups (default: %(default)s)")
     p.add_argument("--chunk-size", type=int, default=64, help="sidecar SSD chunk length (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the source's)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_from_hf)
 
 
@@ -61,6 +70,7 @@ def run_from_hf(args) -> None:
         mask_token_id=args.mask_token_id,
         dtype=DTYPES.get(args.dtype),
         overwrite=args.overwrite,
+        seed=args.seed,
         attention=args.attention,
         prediction=args.prediction,
         block_size=args.block_size,
@@ -86,7 +96,7 @@ def add_deepspeed_to_hf(sub) -> None:
     p.add_argument("--tag", help="checkpoint tag inside a checkpoints folder (default: the newest complete one)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the dtype in the saved config)")
     p.add_argument("--model-config", help="folder with config.json (+ tokenizer) for checkpoints that have none beside them")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_deepspeed_to_hf)
 
 
@@ -112,7 +122,8 @@ def add_to_hybrid(sub) -> None:
     p.add_argument("--feature-dim", type=int, help="Hedgehog feature dim F, at most head_dim (default: 64)")
     p.add_argument("--untied-feature-maps", action="store_true",
                    help="separate query and key feature maps (LoLCATs) instead of one per head (LLaDA-Hybrid)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new feature maps (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_to_hybrid)
 
 
@@ -120,7 +131,7 @@ def run_to_hybrid(args) -> None:
     from convert.to_hybrid import convert_to_hybrid
 
     convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim,
-                      tie_feature_maps=not args.untied_feature_maps, overwrite=args.overwrite)
+                      tie_feature_maps=not args.untied_feature_maps, overwrite=args.overwrite, seed=args.seed)
 
 
 def add_to_hf(sub) -> None:
@@ -132,7 +143,7 @@ def add_to_hf(sub) -> None:
     )
     p.add_argument("src", help="R2LM checkpoint folder")
     p.add_argument("dst", help="output folder (written atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_to_hf)
 
 
@@ -154,7 +165,7 @@ def add_merge_lora(sub) -> None:
     p.add_argument("adapter", help="peft adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("dst", help="output folder (written atomically)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: SRC's)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_merge_lora)
 
 
@@ -184,14 +195,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (sent by timeout, Slurm, docker stop) as an exception, so that the atomic writer removes its
+    temporary folder before the process ends; a BaseException, as KeyboardInterrupt, so that no handler eats it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    handle_sigterm = threading.current_thread() is threading.main_thread()  # Python runs handlers only there
+    if handle_sigterm:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args.run(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("error: terminated by SIGTERM; temporary files removed", file=sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # end as a SIGTERM-killed process does, for the shell or scheduler
+        return 128 + signal.SIGTERM
+    finally:
+        if handle_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
 
 

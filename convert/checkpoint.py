@@ -1,13 +1,23 @@
-"""Checkpoint I/O shared by the converters: reading safetensors folders, writing output folders atomically."""
+"""Checkpoint I/O shared by the converters: reading safetensors folders, checking DST, writing it atomically.
+
+An output folder is written into a temporary folder beside it, `.DST.tmp-PID-TOKEN@HOST` (the writer's process and
+host: a later run removes the leftovers of a writer that was killed, never those of a live one), which gets a
+manifest (MANIFEST, the files written) and is renamed to DST when complete. --overwrite replaces only a folder
+with such a manifest and nothing else in it, or an empty folder: a conversion never deletes what it did not write.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +31,21 @@ TOKENIZER_FILES = (
 )
 TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")
 
+MANIFEST = "r2lm_manifest.json"
+OVERWRITE_HELP = "replace DST if it is an earlier conversion's output (it has an r2lm_manifest.json) or empty"
+
+# What train/pretrain.py leaves in a run folder (config.yaml, train.log, metrics.jsonl, wandb/, checkpoints/,
+# attention_transfer.json) and train/checkpointing.py in checkpoints/ (latest, step-N/, DeepSpeed's zero_to_*.py)
+# and in each checkpoint (DeepSpeed shards, trainer_state.json). A folder holding any of them is never a DST.
+TRAINING_MARKERS = (
+    "config.yaml", "train.log", "metrics.jsonl", "wandb", "checkpoints", "attention_transfer.json",
+    "latest", "step-*", ".tmp-step-*", "zero_to_fp32.py",
+    "trainer_state.json", "*mp_rank_*_model_states.pt", "*optim_states.pt",
+)
+
+_HOST = socket.gethostname()
+_PRIVATE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}@(?P<host>[^@]+)")
+
 
 def read_config(src: Path) -> dict:
     path = Path(src) / "config.json"
@@ -32,33 +57,168 @@ def read_config(src: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
 
 
-def read_state_dict(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint folder, single file or sharded (model.safetensors.index.json)."""
+def weight_files(src: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (sharded: the ones its index names); [] when it has none."""
     src = Path(src)
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (src / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+        try:
+            return [src / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index (a JSON weight_map): {err!r}") from None
+    return [src / "model.safetensors"] if (src / "model.safetensors").is_file() else []
+
+
+def read_state_dict(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint folder, single file or sharded (model.safetensors.index.json)."""
+    files = weight_files(src)
+    if not files:
         raise ValueError(f"{src} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
     state = {}
-    for name in files:
+    for path in files:
         try:
-            state.update(load_file(src / name))
+            state.update(load_file(path))
         except Exception as err:
-            raise ValueError(f"cannot read {src / name}: {err}") from err
+            raise ValueError(f"cannot read {path}: {err}") from err
+    check_finite(state, src)
     return state
 
 
-def check_destination(src, dst, overwrite: bool) -> tuple[Path, Path]:
-    """(src, dst) as paths, after refusing a DST that is SRC or that exists without --overwrite."""
-    src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the source checkpoint is never modified")
-    if dst.exists() and not overwrite:
+def check_finite(tensors: dict[str, torch.Tensor], source) -> None:
+    """Refuse NaN / inf weights (a diverged or corrupt checkpoint), naming the tensors.
+
+    A sum per tensor is one cheap pass (30x faster than isfinite().all() in fp32); it is non-finite when an element
+    is, or when the sum overflows, which the exact check then rules out."""
+    bad = [
+        name for name, t in tensors.items()
+        if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()
+    ]
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ValueError(
+            f"{source} has NaN or inf weights in {len(bad)} tensor(s): {', '.join(bad[:5])}{more}; the checkpoint is "
+            "corrupt or its training diverged: convert an earlier checkpoint"
+        )
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """New parameters (sidecars, feature maps) initialised from `seed`, so that the same conversion gives the same
+    bits; the caller's random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------- DST checks
+
+
+def check_destination(dst, sources: Sequence, overwrite: bool, needed_bytes: int | None = None) -> Path:
+    """`dst` as a path, after the checks every converter makes before any expensive work. Raises ValueError.
+
+    DST must not be, contain or lie inside a source (the sources are never modified); an existing DST must be
+    replaceable (`check_replaceable`); its filesystem must be writable and have `needed_bytes` free (default: the
+    size of the sources' weights)."""
+    dst = Path(dst)
+    for src in map(Path, sources):
+        problem = _overlap(dst.resolve(), src.resolve())
+        if problem:
+            raise ValueError(f"DST {dst} {problem} the source {src}; the sources are never modified: choose another DST")
+    if dst.parent.is_dir():
+        remove_stale_temporaries(dst.parent)  # first: a killed swap may have left DST only as its .old copy
+    check_replaceable(dst, overwrite)
+    if needed_bytes is None:
+        needed_bytes = sum(p.stat().st_size for src in sources for p in weight_files(src) if p.is_file())
+    _check_writable(dst, needed_bytes)
+    return dst
+
+
+def _overlap(dst: Path, src: Path) -> str | None:
+    if dst == src:
+        return "is"
+    if src.is_relative_to(dst):
+        return "contains"
+    if dst.is_relative_to(src):
+        return "lies inside"
+    return None
+
+
+def check_replaceable(dst: Path, overwrite: bool) -> None:
+    """Refuse an existing `dst` unless --overwrite is given and replacing it deletes only what a conversion wrote
+    (a folder holding its manifest and the files listed there) or nothing (an empty folder)."""
+    dst = Path(dst)
+    if not os.path.lexists(dst):
+        return
+    if dst.is_dir() and not dst.is_symlink():
+        found = sorted(p.name for p in dst.iterdir() if any(fnmatch.fnmatch(p.name, m) for m in TRAINING_MARKERS))
+        if found:
+            raise ValueError(
+                f"DST {dst} is a training run or checkpoint folder (it holds {', '.join(found[:4])}); a conversion "
+                "never replaces one, even with --overwrite: choose another DST"
+            )
+    why = _not_written_by_us(dst)
+    if why:
+        raise ValueError(
+            f"DST {dst} already exists and {why}; --overwrite replaces only an empty folder or one a conversion "
+            f"wrote (with its {MANIFEST}), so nothing else is ever deleted: move it away or choose another DST"
+        )
+    if not overwrite:
         raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
-    return src, dst
+
+
+def _not_written_by_us(dst: Path) -> str | None:
+    """Why replacing the existing `dst` could delete something a conversion did not write; None if it cannot."""
+    if dst.is_symlink():
+        return "is a symbolic link"
+    if not dst.is_dir():
+        return "is a file, not a folder"
+    if next(dst.iterdir(), None) is None:
+        return None
+    if not (dst / MANIFEST).is_file():  # before walking it: DST may be a home folder
+        return f"has no {MANIFEST}: it was not written by a conversion"
+    present = {str(p.relative_to(dst)) for p in dst.rglob("*") if not p.is_dir() or p.is_symlink()}
+    try:
+        listed = set(json.loads((dst / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"has an unreadable {MANIFEST} ({err!r})"
+    extra = sorted(present - listed - {MANIFEST})
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        return f"holds files a conversion did not write ({', '.join(extra[:5])}{more})"
+    return None
+
+
+def _check_writable(dst: Path, needed_bytes: int) -> None:
+    """Create (and remove) a folder where the temporary folder will go, and compare the free space with the need,
+    so that a read-only or full filesystem is reported now, not by a traceback after the model is built."""
+    parent = Path(os.path.abspath(dst)).parent
+    while not parent.exists():  # the folder the first mkdir of the write will happen in
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot write DST {dst}: {parent} is a file, not a folder")
+    probe = _private_path(parent / Path(os.path.abspath(dst)).name, "tmp")
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        raise ValueError(f"cannot write DST {dst}: {parent} is not writable ({err.strerror}); choose another DST") from None
+    free = shutil.disk_usage(parent).free
+    if free < needed_bytes:
+        raise ValueError(
+            f"not enough space for DST {dst}: {parent} has {_size(free)} free and the output needs about "
+            f"{_size(needed_bytes)} (the size of the weights); free some space or choose another DST"
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# ----------------------------------------------------------------------------------------------- writing
 
 
 def has_tokenizer(src: Path) -> bool:
@@ -77,41 +237,123 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
 def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, tokenizer=None) -> None:
     """`model.save_pretrained` into `dst`, atomically, with `tokenizer` (default: the tokenizer files of `src`, if
-    any) and `src`'s generation_config.json (if any)."""
+    any) and a generation_config.json: for an R2LM, `src`'s (if any) with the decoding defaults that
+    `model.generate` reads added where it has none (block_size, threshold, confidence); for a transformers
+    backbone (to-hf), `src`'s as it is."""
+    from transformers import GenerationConfig
+
+    from r2lm import R2LMForDiffusionLM
+    from r2lm.generation.options import decoding_generation_config
+
     src = Path(src)
+    source_config = src / "generation_config.json"
+    if isinstance(model, R2LMForDiffusionLM):
+        base = GenerationConfig.from_pretrained(src) if source_config.is_file() else None
+        model.generation_config = decoding_generation_config(model.config, base)
     with atomic_output_dir(dst, overwrite) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         else:
             copy_tokenizer_files(src, tmp)
-        if (src / "generation_config.json").is_file():
-            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+        if source_config.is_file() and not isinstance(model, R2LMForDiffusionLM):
+            shutil.copy(source_config, tmp / "generation_config.json")
 
 
 @contextlib.contextmanager
 def atomic_output_dir(dst: Path, overwrite: bool = False):
-    """Yield a temporary folder beside `dst`; on success rename it to `dst`, on failure remove it.
+    """Yield a temporary folder beside `dst`; on success seal it (manifest, permissions) and rename it to `dst`, on
+    failure (SIGTERM included, see convert/__main__.py) remove it.
 
     Readers never see a half-written `dst`: it either does not exist, is the old folder, or is complete."""
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    dst = Path(os.path.abspath(dst))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any other folder
+    remove_stale_temporaries(dst.parent)
+    check_replaceable(dst, overwrite)
+    tmp = _private_path(dst, "tmp")
     try:
+        tmp.mkdir()
         yield tmp
+        _seal(tmp)
+        _swap_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.rename(dst, old)
-        os.rename(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dst)
     logger.info("wrote %s", dst)
+
+
+def _private_path(dst: Path, kind: str) -> Path:
+    """A hidden name beside `dst` for this process's temporary (kind "tmp") or replaced ("old") folder."""
+    return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}@{_HOST}")
+
+
+def _seal(folder: Path) -> None:
+    """Give what was written the permissions a plain open() / mkdir gives under the umask (save_pretrained's files
+    come out private, 0600, from tempfile), and list it in the manifest."""
+    umask = os.umask(0)
+    os.umask(umask)
+    files = []
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(root) / name
+            if path.is_symlink():
+                continue
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+            if not path.is_dir():
+                files.append(str(path.relative_to(folder)))
+    manifest = {"about": "files written by python -m convert; --overwrite replaces this folder only while it holds "
+                "nothing else", "files": sorted(files)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _swap_into_place(tmp: Path, dst: Path) -> None:
+    """Rename `tmp` to `dst`. An existing `dst` is renamed aside first and removed last, so `dst` is always the old
+    folder or the new one; a failure (or SIGTERM) between the two renames puts the old one back."""
+    if not os.path.lexists(dst):
+        os.rename(tmp, dst)
+        return
+    old = _private_path(dst, "old")
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove what writers on this host that are gone (a SIGKILL skips every clean-up) left in `folder`: temporary
+    folders, and replaced folders after a swap. A writer killed between the two renames of a swap left DST only
+    as its replaced folder: that one is renamed back. Live writers' folders and other hosts' are left alone."""
+    for path in Path(folder).iterdir():
+        match = _PRIVATE.fullmatch(path.name)
+        if match is None or match["host"] != _HOST or _alive(int(match["pid"])):
+            continue
+        dst = path.with_name(match["name"])
+        try:
+            if match["kind"] == "old" and not os.path.lexists(dst):
+                os.rename(path, dst)
+                logger.warning("restored %s, which a conversion (process %s) was replacing when it was killed", dst, match["pid"])
+            else:
+                _remove(path)
+                logger.warning("removed %s, left by a killed conversion (process %s)", path, match["pid"])
+        except OSError as err:  # another run cleaning up at the same time
+            logger.debug("could not clean up %s: %s", path, err)

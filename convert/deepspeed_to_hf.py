@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import has_tokenizer, write_checkpoint
+from convert.checkpoint import check_destination, check_finite, has_tokenizer, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,15 @@ def build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype):
     return model.eval()
 
 
+def parameter_bytes(config, dtype: torch.dtype) -> int:
+    """The size of the model's weights in `dtype`, counted on the meta device (nothing is allocated)."""
+    from r2lm import R2LMForDiffusionLM
+
+    with torch.device("meta"):
+        model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False) -> Path:
     """Write the HF-format R2LM folder `dst` from a DeepSpeed checkpoint; returns `dst`.
 
@@ -98,15 +107,16 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
             f"{meta} has no config.json: train/pretrain.py saves the model config beside every checkpoint; for "
             "checkpoints of other trainers pass --model-config FOLDER"
         )
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
     config = R2LMConfig.from_pretrained(meta)
     dtype = dtype or config.dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    # the sources are the checkpoint read, not the run folder that may name it: RUN/final is a fine DST
+    dst = check_destination(dst, [folder, meta], overwrite, needed_bytes=parameter_bytes(config, dtype))
     logger.info("reassembling fp32 weights from %s", folder)
-    model = build_model(config, load_fp32_state_dict(root, tag), dtype)
+    state = load_fp32_state_dict(root, tag)
+    check_finite(state, folder)
+    model = build_model(config, state, dtype)
     model.config.dtype = dtype
     if not has_tokenizer(meta):
         logger.warning("%s has no tokenizer: the export will have none", meta)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
+from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, seeded, write_checkpoint
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -105,17 +105,25 @@ def convert_from_hf(
     mask_token_id: int | None = None,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    seed: int = 0,
     **diffusion,
 ) -> Path:
     """Convert the checkpoint folder `src` into an R2LM checkpoint folder `dst`; returns `dst`.
 
+    seed: initialises the sidecars (the same seed gives the same output, bit for bit).
     diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
-    src, dst = check_destination(src, dst, overwrite)
+    src = Path(src)
+    dst = check_destination(dst, [src], overwrite)
     arch = read_config(src).get("model_type")
     if arch not in SUPPORTED:
         raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")
     hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
     config = r2lm_config_from_hf(hf_config, sidecar_layers=list(sidecar_layers), **diffusion)
+    if mask_token_id is not None and not 0 <= mask_token_id < config.vocab_size:
+        raise ValueError(
+            f"--mask-token-id {mask_token_id} is outside the vocabulary of {src} (ids 0..{config.vocab_size - 1}); give "
+            f"an existing id, or leave it out to use --mask-token (added to the vocabulary if missing)"
+        )
     dtype = dtype or config.dtype or torch.float32
     state = read_state_dict(src)
 
@@ -131,14 +139,13 @@ def convert_from_hf(
         tokenizer.mask_token = mask_token
     elif mask_token_id is None:  # no tokenizer: a new id after the vocabulary
         mask_token_id, new_token = config.vocab_size, True
-    if mask_token_id < 0:
-        raise ValueError(f"mask token id must be non-negative, got {mask_token_id}")
 
     logger.info("building R2LM (%s, %d layers, sidecars on %s) in %s", arch, config.num_hidden_layers, config.sidecar_layers, dtype)
-    model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
-    load_backbone(model, state, fresh=is_sidecar_weight)
-    if new_token or mask_token_id >= model.config.vocab_size:
-        add_mask_row(model, mask_token_id)
+    with seeded(seed):  # the sidecars' initialisation, and the resized embeddings' before the mask row is set
+        model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
+        load_backbone(model, state, fresh=is_sidecar_weight)
+        if new_token or mask_token_id >= model.config.vocab_size:
+            add_mask_row(model, mask_token_id)
     model.config.mask_token_id = mask_token_id
     model.config._check()
 

@@ -36,7 +36,15 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
+from convert.checkpoint import (
+    OVERWRITE_HELP,
+    check_destination,
+    has_tokenizer,
+    read_config,
+    read_state_dict,
+    seeded,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -359,18 +367,20 @@ def import_checkpoint(
     sidecar_layers=(),
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    seed: int = 0,
     **sidecar,
 ) -> Path:
     """Import the `layout` ("llada", "dream", "llada2") checkpoint folder `src` as an R2LM checkpoint `dst`.
 
     mask_token_id / block_size override the config's (or the layout's default); sidecar_layers and sidecar
     (sidecar_d_state, sidecar_expand, ...) add zero-gated reverse Mamba sidecars, which only causal and
-    block_causal models accept; dtype defaults to the stored weights'. Returns `dst`."""
+    block_causal models accept, initialised from `seed`; dtype defaults to the stored weights'. Returns `dst`."""
     from convert.from_hf import is_sidecar_weight, load_backbone
     from r2lm import R2LMConfig, R2LMForDiffusionLM
 
     spec = LAYOUTS[layout]
-    src, dst = check_destination(src, dst, overwrite)
+    src = Path(src)
+    dst = check_destination(dst, [src], overwrite)
     raw = read_config(src)
     try:
         fields = spec.config(raw)
@@ -391,7 +401,8 @@ def import_checkpoint(
 
     logger.info("building R2LM from %s (%d layers, %s, %s) in %s", spec.name, config.num_hidden_layers,
                 config.attention, config.prediction, dtype)
-    model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
+    with seeded(seed):
+        model = R2LMForDiffusionLM._from_config(config, dtype=dtype)
     expected = model.state_dict()
     for t in tensors:
         _check_shape(t.src, t.value, expected[t.dst].shape)
@@ -483,8 +494,9 @@ def add_parsers(sub, dtypes: dict, layer_list) -> None:
             p.add_argument("--headdim", type=int, default=64, help="sidecar SSM head size (default: %(default)s)")
             p.add_argument("--ngroups", type=int, default=1, help="sidecar B/C groups (default: %(default)s)")
             p.add_argument("--chunk-size", type=int, default=64, help="sidecar SSD chunk length (default: %(default)s)")
+            p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
         p.add_argument("--dtype", choices=sorted(dtypes), help="output dtype (default: the stored weights')")
-        p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+        p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
         p.set_defaults(run=_runner(layout, dtypes))
 
 
@@ -495,6 +507,7 @@ def _runner(layout: str, dtypes: dict):
             sidecar = dict(
                 sidecar_layers=args.sidecar_layers, sidecar_d_state=args.d_state, sidecar_expand=args.expand,
                 sidecar_headdim=args.headdim, sidecar_ngroups=args.ngroups, sidecar_chunk_size=args.chunk_size,
+                seed=args.seed,
             )
         import_checkpoint(
             layout, args.src, args.dst, mask_token_id=args.mask_token_id, block_size=args.block_size,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import read_config, write_checkpoint
+from convert.checkpoint import check_destination, check_finite, read_config, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def read_adapter(adapter: Path):
         weights = load_file(adapter / ADAPTER_WEIGHTS)
     except Exception as err:
         raise ValueError(f"cannot read {adapter / ADAPTER_WEIGHTS}: {err}") from None
+    check_finite(weights, adapter)
     return config, weights
 
 
@@ -86,15 +87,13 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
 
     from r2lm import R2LMForDiffusionLM
 
-    src, adapter, dst = Path(src), Path(adapter), Path(dst)
-    if dst.resolve() in (src.resolve(), adapter.resolve()):
-        raise ValueError("DST must differ from SRC and ADAPTER: the inputs are never modified")
-    if dst.exists() and not overwrite:
-        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    src, adapter = Path(src), Path(adapter)
+    dst = check_destination(dst, [src, adapter], overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
     config, weights = read_adapter(adapter)
     base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
+    check_finite(base.state_dict(), src)
     out_dtype = dtype or base.config.dtype or torch.float32
     if isinstance(out_dtype, str):
         out_dtype = getattr(torch, out_dtype)

@@ -20,7 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from convert.checkpoint import check_destination, read_config, write_checkpoint
+from convert.checkpoint import check_destination, check_finite, read_config, write_checkpoint
 from r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,12 @@ def architecture_of(config) -> str:
 
 
 def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
-    src, dst = check_destination(src, dst, overwrite)
+    src = Path(src)
+    dst = check_destination(dst, [src], overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint")
     model = R2LMForDiffusionLM.from_pretrained(src)
+    check_finite(model.state_dict(), src)
     config = model.config
     if config.sidecar_layers or config.hybrid_layers:
         raise ValueError("sidecar and block-hybrid layers have no transformers counterpart; export a backbone without them")

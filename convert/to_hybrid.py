@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from convert.checkpoint import check_destination, read_config, read_state_dict, write_checkpoint
+from convert.checkpoint import check_destination, read_config, read_state_dict, seeded, write_checkpoint
 from convert.from_hf import load_backbone
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 
@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, tie_feature_maps: bool = True,
-                      overwrite: bool = False) -> Path:
-    src, dst = check_destination(src, dst, overwrite)
+                      overwrite: bool = False, seed: int = 0) -> Path:
+    """Write `src` with block-hybrid attention on `layers` to `dst`; returns `dst`. seed: initialises the feature
+    maps (the same seed gives the same output, bit for bit)."""
+    src = Path(src)
+    dst = check_destination(dst, [src], overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
     config = R2LMConfig.from_pretrained(src)
@@ -48,7 +51,8 @@ def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, tie_feat
         fields["hybrid_feature_dim"] = min(config.hybrid_feature_dim, config.head_dim)
     hybrid = R2LMConfig(**{k: v for k, v in fields.items() if k not in ("model_type", "transformers_version", "architectures")})
 
-    model = R2LMForDiffusionLM._from_config(hybrid, dtype=config.dtype)
+    with seeded(seed):
+        model = R2LMForDiffusionLM._from_config(hybrid, dtype=config.dtype)
     new = tuple(f"model.layers.{i}.self_attn.linear_attention." for i in layers)
     load_backbone(model, read_state_dict(src), fresh=lambda name: name.startswith(new))
     write_checkpoint(model, dst, src, overwrite)

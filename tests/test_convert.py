@@ -74,13 +74,12 @@ def test_round_trip_is_bit_exact(qwen3_dir, tmp_path):
 
 def test_existing_dst_needs_overwrite(qwen3_dir, tmp_path):
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="already exists"):
-        convert_from_hf(qwen3_dir, dst)
-    assert (dst / "keep.txt").read_text() == "mine"
-    convert_from_hf(qwen3_dir, dst, overwrite=True)
-    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    convert_from_hf(qwen3_dir, dst)
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        convert_from_hf(qwen3_dir, dst, sidecar_layers=[1], sidecar_headdim=16)
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.sidecar_layers == []
+    convert_from_hf(qwen3_dir, dst, sidecar_layers=[1], sidecar_headdim=16, overwrite=True)  # an earlier output
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.sidecar_layers == [1]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
 
 

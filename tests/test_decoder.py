@@ -294,3 +294,21 @@ def test_int32_ids_work():
     want = generate(model, ids, mask, max_new_tokens=6).sequences
     assert torch.equal(generate(model, ids.int(), mask.int(), max_new_tokens=6).sequences, want)
     assert isinstance(PrefixCache(64), PrefixCache)
+
+
+def test_converters_write_the_decoding_options(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from convert.from_hf import convert_from_hf
+    from convert.to_hybrid import convert_to_hybrid
+
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=3))
+    hf.generation_config.eos_token_id, hf.generation_config.max_new_tokens = 3, 40
+    hf.save_pretrained(tmp_path / "hf")
+    r2lm = convert_from_hf(tmp_path / "hf", tmp_path / "r2lm", sidecar_layers=[1], mask_token_id=MASK_ID, block_size=8,
+                           sidecar_headdim=16, sidecar_d_state=8)
+    saved = GenerationConfig.from_pretrained(r2lm)
+    assert (saved.block_size, saved.threshold, saved.eos_token_id, saved.max_new_tokens) == (8, 0.9, 3, 40)
+    hybrid = convert_to_hybrid(r2lm, tmp_path / "hybrid", layers=[0], feature_dim=8)  # R2LM to R2LM keeps them
+    assert GenerationConfig.from_pretrained(hybrid).to_diff_dict() == saved.to_diff_dict()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from test_train_helpers import base_overrides, corpus_paragraphs, make_model_dir, run_inprocess, write_corpus
 
 from convert.__main__ import main as convert_main
+from convert.checkpoint import MANIFEST
 from r2lm import R2LMForDiffusionLM
 from r2lm.diffusion import block_noise, noised_dual_stream
 from train.checkpointing import complete_checkpoints
@@ -140,9 +141,9 @@ def test_lora_trains_only_the_adapters(stage2):
         if ".lora_" not in key:
             name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
             assert torch.equal(value, original[name]), key
-    # the export is the adapter alone, exactly the engine's adapter weights
+    # the export is the adapter alone (and the writer's manifest), exactly the engine's adapter weights
     assert sorted(p.name for p in (out / "final").iterdir() if p.suffix in (".json", ".safetensors")) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json", "adapter_model.safetensors", MANIFEST]
     saved = load_file(out / "final" / "adapter_model.safetensors")
     assert saved.keys() == {k.replace(".default.", ".") for k in lora}
     for key, value in lora.items():

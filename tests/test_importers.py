@@ -367,13 +367,13 @@ def test_wrong_shape_names_the_tensor_and_leaves_dst_untouched(tmp_path, layout,
     state = load_file(src / "model.safetensors")
     state[tensor] = torch.zeros(3, 5)
     save_file(state, src / "model.safetensors")
-    dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("mine")
+    earlier = make(tmp_path / "earlier")[0]
+    import_checkpoint(layout, earlier, tmp_path / "out", mask_token_id=98)  # an output --overwrite may replace
+    before = _snapshot(tmp_path / "out")
     with pytest.raises(ValueError, match=rf"{tensor} has shape \(3, 5\) but the config implies"):
-        import_checkpoint(layout, src, dst, mask_token_id=98, overwrite=True)
-    assert _snapshot(dst) == {"keep.txt": b"mine"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temporaries left
+        import_checkpoint(layout, src, tmp_path / "out", mask_token_id=98, overwrite=True)
+    assert _snapshot(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "out", "src"]  # no temporaries left
 
 
 def test_missing_and_extra_tensors_are_named(tmp_path):
@@ -393,13 +393,12 @@ def test_missing_and_extra_tensors_are_named(tmp_path):
 def test_existing_dst_needs_overwrite(tmp_path, capsys):
     src = dream_checkpoint(tmp_path / "dream")[0]
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("mine")
+    assert main(["from-dream", str(src), str(dst), "--block-size", "4"]) == 0
     assert main(["from-dream", str(src), str(dst)]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert (dst / "keep.txt").read_text() == "mine"
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.block_size == 4
     assert main(["from-dream", str(src), str(dst), "--overwrite"]) == 0
-    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.block_size == 32
 
 
 def test_unsupported_options_and_wrong_layouts_are_refused(tmp_path):

@@ -66,11 +66,10 @@ def test_checkpoint_that_does_not_match_its_config(r2lm_dir, tmp_path):
     state["model.layers.2.self_attn.k_proj.weight"] = state["model.layers.2.self_attn.k_proj.weight"][:16]
     save_file(state, r2lm_dir / "model.safetensors")
     dst = tmp_path / "hyb"
-    dst.mkdir()
-    (dst / "keep").write_text("x")
+    dst.mkdir()  # empty: --overwrite may replace it, but only with a complete output
     with pytest.raises(ValueError, match=r"model.layers.2.self_attn.k_proj.weight has shape \(16, 64\)"):
         convert_to_hybrid(r2lm_dir, dst, [0], feature_dim=8, overwrite=True)
-    assert [p.name for p in dst.iterdir()] == ["keep"]
+    assert list(dst.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["hyb", "src"]
 
 
 def test_untied_feature_maps(r2lm_dir, tmp_path):

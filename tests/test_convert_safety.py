@@ -1,0 +1,470 @@
+"""Every converter, used carelessly: sources stay untouched, --overwrite deletes only what a conversion wrote,
+SIGTERM / SIGKILL leave nothing behind for long, bad destinations and bad weights are reported before any work,
+outputs are reproducible (--seed) and get the umask's permissions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_hf_config, tiny_tokenizer
+from safetensors.torch import load_file, save_file
+from test_importers import dream_checkpoint, llada2_checkpoint, llada_checkpoint
+from test_merge_lora import make_adapter
+from test_train_helpers import REPO, make_model_dir, run_inprocess, run_overrides, training_inputs
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from convert.__main__ import main
+from convert.checkpoint import MANIFEST
+from convert.deepspeed_to_hf import parameter_bytes
+from convert.from_hf import convert_from_hf
+from r2lm import R2LMConfig
+
+SIDECAR = ["--sidecar-layers", "1", "--headdim", "16", "--d-state", "8"]
+
+
+@dataclass
+class Conversion:
+    """One converter on tiny sources: `python -m convert COMMAND SOURCES... DST OPTIONS...`."""
+
+    command: str
+    sources: list[Path]  # SRC, and ADAPTER for merge-lora
+    options: tuple[str, ...] = ()
+
+    def argv(self, dst, *extra: str) -> list[str]:
+        return [self.command, *map(str, self.sources), str(dst), *self.options, *extra]
+
+    def copied_to(self, folder: Path) -> Conversion:
+        """The same conversion on copies of the sources in `folder` (for tests that may destroy them)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        return Conversion(self.command, [Path(shutil.copytree(s, folder / s.name)) for s in self.sources], self.options)
+
+    def overlapping_destinations(self) -> list[Path]:
+        """DSTs that are, contain or lie inside a source (for deepspeed-to-hf: the checkpoint read, RUN/checkpoints/
+        step-N; RUN itself contains it, while RUN/final is a legitimate DST)."""
+        sources = [checkpoint_of(self.sources[0])] if self.command == "deepspeed-to-hf" else self.sources
+        found = []
+        for src in sources:
+            found += [src, src / "out", src.parent]
+            if self.command == "deepspeed-to-hf":
+                found += [src.parent.parent, src.parent.parent.parent]  # the run folder, the folder holding it
+        return found
+
+
+def checkpoint_of(run: Path) -> Path:
+    return run / "checkpoints" / "step-00000001"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("sources")
+
+
+@pytest.fixture(scope="module")
+def qwen3_src(root):
+    tok = tiny_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tok)))
+    model.save_pretrained(root / "qwen3")
+    tok.save_pretrained(root / "qwen3")
+    return root / "qwen3"
+
+
+@pytest.fixture(scope="module")
+def r2lm_src(root):
+    """An R2LM with sidecars and a tokenizer (to-hybrid, merge-lora)."""
+    return make_model_dir(root / "r2lm")
+
+
+@pytest.fixture(scope="module")
+def backbone_src(root):
+    """An R2LM without extra layers (to-hf)."""
+    return make_model_dir(root / "backbone", sidecar_layers=[])
+
+
+@pytest.fixture(scope="module")
+def adapter_src(r2lm_src, root):
+    return make_adapter(r2lm_src, root / "lora")
+
+
+@pytest.fixture(scope="module")
+def run_src(root):
+    """A real one-step training run (DeepSpeed ZeRO-2, in process): config.yaml, train.log, metrics.jsonl,
+    checkpoints/{latest, zero_to_fp32.py, step-00000001/{shards, trainer_state.json, config.json, tokenizer}}."""
+    inputs = training_inputs(root / "training")
+    run = root / "run"
+    run_inprocess(run_overrides(inputs, run, "steps=1", "save_every=1", "eval_every=0", "export=false"))
+    for handler in [h for h in logging.getLogger().handlers if getattr(h, "_r2lm_file", None)]:
+        logging.getLogger().removeHandler(handler)  # the run is over: its train.log must not log our conversions
+        handler.close()
+    assert (checkpoint_of(run) / "trainer_state.json").is_file()
+    return run
+
+
+@pytest.fixture(scope="module")
+def llada_src(root):
+    return llada_checkpoint(root / "llada")[0]
+
+
+@pytest.fixture(scope="module")
+def dream_src(root):
+    return dream_checkpoint(root / "dream")[0]
+
+
+@pytest.fixture(scope="module")
+def llada2_src(root):
+    return llada2_checkpoint(root / "llada2", mask_token_id=98)[0]
+
+
+COMMANDS = ["from-hf", "to-hf", "to-hybrid", "merge-lora", "deepspeed-to-hf", "from-llada", "from-dream", "from-llada2"]
+
+
+def conversion(command: str, request) -> Conversion:
+    source = request.getfixturevalue
+    if command == "from-hf":
+        return Conversion(command, [source("qwen3_src")], tuple(SIDECAR))
+    if command == "to-hf":
+        return Conversion(command, [source("backbone_src")])
+    if command == "to-hybrid":
+        return Conversion(command, [source("r2lm_src")], ("--layers", "0"))
+    if command == "merge-lora":
+        return Conversion(command, [source("r2lm_src"), source("adapter_src")])
+    if command == "deepspeed-to-hf":
+        return Conversion(command, [source("run_src")])
+    if command == "from-llada":
+        return Conversion(command, [source("llada_src")])
+    if command == "from-dream":
+        return Conversion(command, [source("dream_src")])
+    if command == "from-llada2":
+        return Conversion(command, [source("llada2_src")], tuple(SIDECAR))
+    raise ValueError(command)
+
+
+def snapshot(folder: Path) -> dict:
+    """Everything a modification would change: each entry's kind, bytes and mtime, and each folder's mtime (which
+    moves when an entry is created or removed, even if it is removed again)."""
+    entries = {".": ("dir", folder.stat().st_mtime_ns)}
+    for path in sorted(folder.rglob("*")):
+        stat = path.lstat()
+        kind = "dir" if path.is_dir() else "file"
+        entries[str(path.relative_to(folder))] = (kind, stat.st_mtime_ns, path.read_bytes() if kind == "file" else None)
+    return entries
+
+
+def hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_sources_are_never_modified(command, request, tmp_path):
+    conv = conversion(command, request)
+    before = {s: snapshot(s) for s in conv.sources}
+    assert main(conv.argv(tmp_path / "out")) == 0
+    assert main(conv.argv(tmp_path / "out", "--overwrite")) == 0  # replacing an earlier output, too
+    for src in conv.sources:
+        assert snapshot(src) == before[src], src
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporaries left
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_same_conversion_gives_the_same_bits(command, request, tmp_path):
+    conv = conversion(command, request)
+    assert main(conv.argv(tmp_path / "a")) == 0
+    assert main(conv.argv(tmp_path / "b")) == 0
+    assert folder_bytes(tmp_path / "a") == folder_bytes(tmp_path / "b")
+
+
+@pytest.mark.parametrize(("command", "new"), [
+    ("from-hf", ".sidecar."), ("to-hybrid", ".linear_attention."), ("from-llada2", ".sidecar."),
+])
+def test_new_weights_come_from_the_seed(command, new, request, tmp_path):
+    conv = conversion(command, request)
+    rng = torch.random.get_rng_state()
+    assert main(conv.argv(tmp_path / "default")) == 0
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's random state is left alone
+    assert main(conv.argv(tmp_path / "seed0", "--seed", "0")) == 0
+    assert main(conv.argv(tmp_path / "seed1", "--seed", "1")) == 0
+    assert folder_bytes(tmp_path / "default") == folder_bytes(tmp_path / "seed0")
+    a, b = load_file(tmp_path / "seed0" / "model.safetensors"), load_file(tmp_path / "seed1" / "model.safetensors")
+    differ = sorted(k for k in a if not torch.equal(a[k], b[k]))
+    assert differ and all(new in k for k in differ), differ  # only the new weights depend on the seed
+
+
+# ----------------------------------------------------------------------------------------------- DST
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_dst_overlapping_a_source_is_refused(command, request, tmp_path, capsys):
+    conv = conversion(command, request).copied_to(tmp_path / "in")
+    before = snapshot(tmp_path)
+    for dst in conv.overlapping_destinations():
+        assert main(conv.argv(dst, "--overwrite")) == 2, dst
+        err = capsys.readouterr().err
+        assert f"DST {dst} " in err and "the sources are never modified" in err, err
+    assert snapshot(tmp_path) == before
+
+
+def test_training_run_and_checkpoint_folders_are_never_replaced(run_src, qwen3_src, tmp_path, capsys):
+    run = Path(shutil.copytree(run_src, tmp_path / "run"))
+    before = snapshot(run)
+    for dst in (run, run / "checkpoints", checkpoint_of(run)):
+        assert main(["from-hf", str(qwen3_src), str(dst), "--overwrite"]) == 2
+        assert "is a training run or checkpoint folder" in capsys.readouterr().err
+    assert snapshot(run) == before
+    # RUN/final is what train/pretrain.py exports to: a legitimate DST inside the run folder
+    assert main(["deepspeed-to-hf", str(run), str(run / "final")]) == 0
+    assert main(["deepspeed-to-hf", str(run), str(run / "final"), "--overwrite"]) == 0
+
+
+def test_overwrite_replaces_only_what_a_conversion_wrote(qwen3_src, tmp_path, capsys):
+    convert = ["from-hf", str(qwen3_src)]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main([*convert, str(mine), "--overwrite"]) == 2
+    assert f"has no {MANIFEST}: it was not written by a conversion" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    out = tmp_path / "out"
+    assert main([*convert, str(out)]) == 0
+    listed = json.loads((out / MANIFEST).read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+    assert "model.safetensors" in listed and "tokenizer.json" in listed
+    (out / "notes.txt").write_text("added later")
+    assert main([*convert, str(out), "--overwrite"]) == 2
+    assert "holds files a conversion did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "added later"
+    (out / "notes.txt").unlink()
+    assert main([*convert, str(out), *SIDECAR, "--overwrite"]) == 0  # an earlier output alone is replaced
+    assert R2LMConfig.from_pretrained(out).sidecar_layers == [1]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*convert, str(empty), "--overwrite"]) == 0 and (empty / "model.safetensors").is_file()
+    assert hidden(tmp_path) == []
+
+
+def test_a_file_as_dst_is_kept_and_leaves_no_old_copy(qwen3_src, tmp_path, capsys):
+    dst = tmp_path / "model.bin"
+    dst.write_bytes(b"not a folder")
+    assert main(["from-hf", str(qwen3_src), str(dst), "--overwrite"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert dst.read_bytes() == b"not a folder" and sorted(p.name for p in tmp_path.iterdir()) == ["model.bin"]
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` made unwritable: mode 0555, and immutable too when running as root (root ignores the mode)."""
+    folder.chmod(0o555)
+    immutable = os.geteuid() == 0
+    if immutable and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        folder.chmod(0o755)
+        pytest.skip("running as root on a filesystem without chattr +i: cannot make a folder read-only")
+    try:
+        yield folder
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+def corrupt_copy(src: Path, folder: Path) -> Path:
+    """A copy of `src` whose weights cannot be read: a conversion that reaches them fails with 'cannot read'."""
+    copy = Path(shutil.copytree(src, folder))
+    (copy / "model.safetensors").write_bytes(b"not safetensors")
+    return copy
+
+
+def test_read_only_destination_is_reported_before_any_work(qwen3_src, tmp_path):
+    src = corrupt_copy(qwen3_src, tmp_path / "src")
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro") as ro:
+        for dst in (ro / "out", ro / "new" / "out"):
+            with pytest.raises(ValueError, match=re.escape(f"cannot write DST {dst}: {ro} is not writable")):
+                convert_from_hf(src, dst)
+        assert list(ro.iterdir()) == []
+
+
+def test_full_destination_is_reported_before_any_work(qwen3_src, tmp_path):
+    src = corrupt_copy(qwen3_src, tmp_path / "src")
+    free = shutil.disk_usage(tmp_path).free
+    with open(src / "model.safetensors", "r+b") as f:  # sparse: as large as the free space plus 1 GB, using none
+        f.truncate(free + 10**9)
+    with pytest.raises(ValueError, match=re.escape(f"not enough space for DST {tmp_path / 'out'}: {tmp_path} has ")):
+        convert_from_hf(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_deepspeed_export_size_is_known_before_reassembly(run_src, tmp_path):
+    """deepspeed-to-hf checks the free space against the parameter count (ZeRO shards hold optimizer state too)."""
+    assert main(["deepspeed-to-hf", str(run_src), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    config = R2LMConfig.from_pretrained(checkpoint_of(run_src))
+    tensors = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "out" / "model.safetensors").values())
+    assert parameter_bytes(config, torch.bfloat16) == tensors  # a tied head is stored (and counted) once
+
+
+# ----------------------------------------------------------------------------------------------- weights, options
+
+
+def poison(path: Path, names: list[str]) -> list[str]:
+    state = load_file(path)
+    for name, value in zip(names, (float("nan"), float("inf")), strict=False):
+        state[name].view(-1)[0] = value
+    save_file(state, path, metadata={"format": "pt"})
+    return names
+
+
+@pytest.mark.parametrize("command", ["from-hf", "to-hf", "to-hybrid", "merge-lora", "from-dream"])
+def test_nan_and_inf_weights_are_named(command, request, tmp_path, capsys):
+    conv = conversion(command, request).copied_to(tmp_path / "in")
+    src = conv.sources[0]
+    names = sorted(k for k in load_file(src / "model.safetensors") if k.endswith("up_proj.weight"))[:2]
+    poison(src / "model.safetensors", names)
+    assert main(conv.argv(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert f"{src} has NaN or inf weights in 2 tensor(s): " in err and all(name in err for name in names), err
+    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
+
+
+def test_nan_in_a_lora_adapter_is_named(request, tmp_path, capsys):
+    conv = conversion("merge-lora", request).copied_to(tmp_path / "in")
+    adapter = conv.sources[1]
+    name = sorted(load_file(adapter / "adapter_model.safetensors"))[0]
+    poison(adapter / "adapter_model.safetensors", [name])
+    assert main(conv.argv(tmp_path / "out")) == 2
+    assert f"{adapter} has NaN or inf weights in 1 tensor(s): {name}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mask_id", ["5000", "-1"])
+def test_mask_token_id_outside_the_vocabulary_is_refused(qwen3_src, tmp_path, capsys, mask_id):
+    vocab = AutoConfig.from_pretrained(qwen3_src).vocab_size
+    assert main(["from-hf", str(qwen3_src), str(tmp_path / "out"), "--mask-token-id", mask_id]) == 2
+    assert f"--mask-token-id {mask_id} is outside the vocabulary of {qwen3_src} (ids 0..{vocab - 1})" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o007])
+@pytest.mark.parametrize("command", ["from-hf", "to-hybrid"])
+def test_outputs_get_the_umask_permissions(command, umask, request, tmp_path):
+    conv = conversion(command, request)
+    previous = os.umask(umask)
+    try:
+        assert main(conv.argv(tmp_path / "out")) == 0
+    finally:
+        os.umask(previous)
+    out = tmp_path / "out"
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
+    assert modes == want
+    assert "out/model.safetensors" in modes and "out/tokenizer.json" in modes
+
+
+# ----------------------------------------------------------------------------------------------- signals
+
+# The real CLI in a subprocess, held (by an audit hook, without touching convert/) just before it renames its
+# complete temporary folder into place: the moment with the most on disk, and deterministic.
+PAUSED_CLI = """
+import os, sys, time
+
+def pause_before_committing(event, args):
+    if event == "os.rename" and ".tmp-" in os.path.basename(args[0]):
+        print("paused", flush=True)
+        time.sleep(300)
+
+sys.addaudithook(pause_before_committing)
+from convert.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def paused_conversions():
+    """start(*argvs): one CLI process per argv (started together: each takes seconds to import torch), returned
+    once all are paused; any still running at the end of the test is killed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # an in-process training run of this pytest process set them for itself
+    started = []
+
+    def start(*argvs: list[str]) -> list[subprocess.Popen]:
+        procs = [subprocess.Popen([sys.executable, "-c", PAUSED_CLI, *argv], cwd=REPO, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                 for argv in argvs]
+        started.extend(procs)
+        for proc in procs:
+            line = proc.stdout.readline()
+            if line.strip() != "paused":
+                proc.kill()
+                pytest.fail(f"a conversion did not get to its rename: {line!r} {proc.communicate()[1][-3000:]}")
+        return procs
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def temporaries(folder: Path, name: str) -> list[Path]:
+    return sorted(folder.glob(f".{name}.tmp-*")) + sorted(folder.glob(f".{name}.old-*"))
+
+
+@pytest.mark.slow  # CLI processes, seconds each to start
+def test_sigterm_removes_the_unfinished_output(qwen3_src, tmp_path, paused_conversions):
+    convert = ["from-hf", str(qwen3_src)]
+    assert main([*convert, str(tmp_path / "earlier")]) == 0
+    earlier = folder_bytes(tmp_path / "earlier")
+    fresh, replacing = paused_conversions([*convert, str(tmp_path / "fresh")],
+                                          [*convert, str(tmp_path / "earlier"), *SIDECAR, "--overwrite"])
+    [tmp] = temporaries(tmp_path, "fresh")
+    assert (tmp / "model.safetensors").is_file()  # stopped with its output written
+    assert not (tmp_path / "earlier").exists()  # ... and, replacing, between its two renames
+    for proc in (fresh, replacing):
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGTERM, err  # ended as a SIGTERM-killed process, for the scheduler
+        assert "terminated by SIGTERM" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+    assert folder_bytes(tmp_path / "earlier") == earlier
+
+
+@pytest.mark.slow
+def test_the_next_run_removes_what_killed_writers_left(qwen3_src, tmp_path, paused_conversions):
+    convert = ["from-hf", str(qwen3_src)]
+    assert main([*convert, str(tmp_path / "earlier")]) == 0
+    earlier = folder_bytes(tmp_path / "earlier")
+    *killed, live = paused_conversions([*convert, str(tmp_path / "a")],
+                                       [*convert, str(tmp_path / "earlier"), *SIDECAR, "--overwrite"],
+                                       [*convert, str(tmp_path / "b")])
+    for proc in killed:
+        proc.kill()  # SIGKILL: no clean-up runs
+        proc.wait(timeout=60)
+    assert len(temporaries(tmp_path, "a")) == 1 and len(temporaries(tmp_path, "earlier")) == 2
+    assert not (tmp_path / "earlier").exists()  # killed between its two renames: only the .old copy is left
+    [live_tmp] = temporaries(tmp_path, "b")
+
+    assert main([*convert, str(tmp_path / "c")]) == 0  # any later conversion into the same folder
+    assert temporaries(tmp_path, "a") == [] and temporaries(tmp_path, "earlier") == []
+    assert folder_bytes(tmp_path / "earlier") == earlier  # the replaced folder is put back
+    assert temporaries(tmp_path, "b") == [live_tmp]  # a live writer's folder is left alone
+    live.send_signal(signal.SIGTERM)
+    live.communicate(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "earlier"]
