@@ -7,7 +7,7 @@ and without the shared-document reuse, and measure what the approximation costs.
   by `--question-tokens` of real text and `--new-tokens` [MASK]s, as a request looks at decode time. One table per tau.
 - Workload: a few long documents from the training text, several questions each (batch size 1, the document is the
   shared prefix, added to the store once). Decoded by the no-cache bidirectional decoder with a fixed schedule
-  (`tokens_per_step`, no EOS stop), so with and without BiCache take the same steps and the time difference is the
+  (LLaDA's `steps` schedule, no EOS stop), so with and without BiCache take the same steps and the time difference is the
   cost per step. Reported: tokens/s (decode only, and with the one-time prefix encoding), the depths the table gave,
   and token agreement with the no-reuse output.
 - Accuracy: on the second half of the held-out text, (prefix, question, continuation) triples; the continuation is
@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--doc-tokens", type=int, nargs="+", default=[64, 128, 192, 240], help="one document per length")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tokens-per-step", type=int, default=2)
+    p.add_argument("--steps-per-block", type=int, default=None,
+                   help="LLaDA steps per block (default: block_size / 2, i.e. two tokens per step)")
     p.add_argument("--eval-prefixes", type=int, nargs="+", default=[32, 64, 128, 192, 240])
     p.add_argument("--eval-offsets", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the workload; the fastest counts")
@@ -104,8 +105,10 @@ def decode_workload(model, requests, args, store=None):
     outputs, start = [], time.perf_counter()
     for doc, question in requests:
         prompt = torch.tensor([doc + question])
-        out = generate(model, prompt, max_new_tokens=args.new_tokens, block_size=args.block_size, threshold=None,
-                       tokens_per_step=args.tokens_per_step, eos_token_id=[], bicache=store)
+        blocks = -(-args.new_tokens // args.block_size)
+        per_block = args.steps_per_block or max(1, args.block_size // 2)
+        out = generate(model, prompt, max_new_tokens=args.new_tokens, block_size=args.block_size, steps=blocks * per_block,
+                       eos_token_id=[], bicache=store)
         outputs.append(out.sequences[0, prompt.shape[1] :])
     return time.perf_counter() - start, outputs
 

@@ -35,11 +35,10 @@ placement DP chooses inside PrefixCache):
   prefill tokens    tokens the model actually prefilled (looked up - reused), summed
   reused/matched    reused tokens / tokens in the full cached blocks the prompt matched: below 100% where reuse
                     stops short of the match (hybrid layers resume from their deepest state checkpoint)
-  TTFT              wall time from calling generate() to the end of the first denoise forward, i.e. prefix
-                    lookup + prefill of the rest + cache insertion + the forward that yields the first token. The
-                    model's `denoise` is wrapped for the call; the wrapper stops generate() right after that first
-                    forward (so no time goes to decoding), keeping the first-token logits, which are compared with
-                    the no-cache run of the same request (max |logit difference|: the cache must be exact).
+  TTFT              wall time of a one-token generate() call: prefix lookup + prefill of the rest + cache
+                    insertion + the denoising step that yields the first token (its end noted by a step callback,
+                    which keeps the first-token logits; they are compared with the no-cache run of the same
+                    request: max |logit difference|, the cache must be exact).
 Timings use --threads torch threads (default 1) after an untimed warm-up; other jobs on the machine add noise,
 so compare policies within one run, never across runs.
 
@@ -239,46 +238,23 @@ def arc_state(cache) -> dict:
 # ---------------------------------------------------------------------------------------------- generate() runs
 
 
-class _FirstToken(Exception):
-    pass
+def first_token(model, ids: torch.Tensor, cache) -> tuple[float, torch.Tensor]:
+    """(time to first token, the first step's logits at the first position) of one generate() call: a one-token
+    generation (prefill, then one denoising step), the end of the step noted by a step callback."""
+    seen = {}
 
+    def note(step):
+        seen["end"], seen["logits"] = time.perf_counter(), step.logits[0, 0].float().clone()
 
-class FirstTokenProbe:
-    """Wraps model.denoise: the first call of a generate() records its end time and logits, then stops it."""
-
-    def __init__(self, model):
-        self.model, self.end, self.logits = model, None, None
-        self._denoise = model.denoise
-
-    def __enter__(self):
-        def denoise(*a, **k):
-            logits = self._denoise(*a, **k)
-            self.end, self.logits = time.perf_counter(), logits[0, 0].float().clone()
-            raise _FirstToken
-
-        self.model.denoise = denoise
-        return self
-
-    def __exit__(self, *exc):
-        del self.model.denoise  # back to the class method
-
-    def __call__(self, ids: torch.Tensor, cache) -> tuple[float, torch.Tensor]:
-        self.end = None
-        start = time.perf_counter()
-        try:
-            generate(self.model, ids, max_new_tokens=self.model.config.block_size, threshold=0.9, prefix_cache=cache)
-        except _FirstToken:
-            pass
-        if self.end is None:
-            raise RuntimeError("generate() finished without a denoise forward: TTFT cannot be read")
-        return self.end - start, self.logits
+    start = time.perf_counter()
+    generate(model, ids, max_new_tokens=1, threshold=0.9, prefix_cache=cache, step_callback=note)
+    return seen["end"] - start, seen["logits"]
 
 
 def warm_up(model, requests) -> None:
-    with FirstTokenProbe(model) as probe:
-        for tokens in requests[:3]:
-            probe(torch.tensor([tokens]), None)
-            probe(torch.tensor([tokens]), PrefixCache(4096, block_tokens=16, policy="lru"))
+    for tokens in requests[:3]:
+        first_token(model, torch.tensor([tokens]), None)
+        first_token(model, torch.tensor([tokens]), PrefixCache(4096, block_tokens=16, policy="lru"))
 
 
 def run_generate(model, workload: Workload, capacity: int, args, label: str) -> dict:
@@ -288,27 +264,26 @@ def run_generate(model, workload: Workload, capacity: int, args, label: str) -> 
                                                       checkpoints=args.checkpoints) for p in POLICIES}
     rec = {p: {"ttft": [], "hit": [], "looked": [], "matched": [], "max_logit_diff": 0.0, "argmax_agree": 0}
            for p in POLICIES}
-    with FirstTokenProbe(model) as probe:
-        for i, tokens in enumerate(tqdm(workload.requests, desc=f"{label}/{workload.name}", leave=False)):
-            ids, h = torch.tensor([tokens]), head(config, tokens)
-            logits = {}
-            for p in POLICIES[i % 3:] + POLICIES[: i % 3]:  # rotate who goes first
-                cache = caches[p]
-                before = (cache.stats.hit_tokens, cache.stats.lookup_tokens) if cache else (0, 0)
-                matched = len(cache.match(h)) * args.block_tokens if cache else 0  # full blocks held (no side effects)
-                seconds, logits[p] = probe(ids, cache)
-                r = rec[p]
-                r["ttft"].append(seconds)
-                r["matched"].append(matched)
-                if cache:
-                    r["hit"].append(cache.stats.hit_tokens - before[0])
-                    r["looked"].append(cache.stats.lookup_tokens - before[1])
-                else:
-                    r["hit"].append(0)
-                    r["looked"].append(len(h))
-            for p in POLICIES:
-                rec[p]["max_logit_diff"] = max(rec[p]["max_logit_diff"], (logits[p] - logits["none"]).abs().max().item())
-                rec[p]["argmax_agree"] += int(logits[p].argmax() == logits["none"].argmax())
+    for i, tokens in enumerate(tqdm(workload.requests, desc=f"{label}/{workload.name}", leave=False)):
+        ids, h = torch.tensor([tokens]), head(config, tokens)
+        logits = {}
+        for p in POLICIES[i % 3:] + POLICIES[: i % 3]:  # rotate who goes first
+            cache = caches[p]
+            before = (cache.stats.hit_tokens, cache.stats.lookup_tokens) if cache else (0, 0)
+            matched = len(cache.match(h)) * args.block_tokens if cache else 0  # full blocks held (no side effects)
+            seconds, logits[p] = first_token(model, ids, cache)
+            r = rec[p]
+            r["ttft"].append(seconds)
+            r["matched"].append(matched)
+            if cache:
+                r["hit"].append(cache.stats.hit_tokens - before[0])
+                r["looked"].append(cache.stats.lookup_tokens - before[1])
+            else:
+                r["hit"].append(0)
+                r["looked"].append(len(h))
+        for p in POLICIES:
+            rec[p]["max_logit_diff"] = max(rec[p]["max_logit_diff"], (logits[p] - logits["none"]).abs().max().item())
+            rec[p]["argmax_agree"] += int(logits[p].argmax() == logits["none"].argmax())
     out = {}
     for p in POLICIES:
         r, cache, n = rec[p], caches[p], len(workload.requests)

@@ -17,7 +17,7 @@ trained models; give trained checkpoints.
 
 Each generation is set up for --new-tokens (the canvas a bidirectional model re-encodes is prompt + new tokens)
 and timed from the call to the moment --measure-tokens tokens per row are committed (prefill included), then
-stopped: the no-cache baseline at batch 32 x 2048 would otherwise take hours on a CPU. tokens/s counts the
+ended by a stopping criterion: the no-cache baseline at batch 32 x 2048 would otherwise take hours on a CPU. tokens/s counts the
 committed tokens of all rows. Prints a table, writes results.json and throughput.png to --out.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, MaxLengthCriteria
 
 from r2lm import R2LMForDiffusionLM, generate
 
@@ -64,27 +64,6 @@ def load_variants(args) -> dict:
     return models
 
 
-class StopAfter:
-    """A streamer that notes when every row has `tokens` committed tokens, then ends the generation."""
-
-    class Enough(Exception):
-        pass
-
-    def __init__(self, tokens: int):
-        self.tokens, self.seen, self.first = tokens, 0, True
-
-    def put(self, value):
-        if self.first:  # the prompt comes first, as with transformers' generate
-            self.first = False
-            return
-        self.seen += value.shape[-1]
-        if self.seen >= self.tokens:
-            raise StopAfter.Enough
-
-    def end(self):
-        pass
-
-
 def variant_options(name: str, args) -> dict:
     if name == "ar":
         return dict(block_size=1)
@@ -111,34 +90,21 @@ def make_prompts(tokenizer, text_file: Path, batch: int, length: int) -> torch.T
 
 
 def run_one(model, prompts, args, options: dict) -> dict:
-    """Median over --repeats of the time to commit --measure-tokens tokens per row, and the forwards (nfe, prefill
-    included) and denoising steps that took. The bidirectional variants run no prefill or commit forwards, so their
-    every forward is a step; for the cached ones an untimed generation of just the measured span gives the steps
-    (the blocks of a cached decoder never see the canvas after them, so that span decodes the same way)."""
-    times, forwards = [], []
-    count = model.register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
-        for _ in range(args.repeats):
-            streamer, forwards[:] = StopAfter(args.measure_tokens), []
-            start = time.perf_counter()
-            try:
-                generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], streamer=streamer, **options)
-            except StopAfter.Enough:
-                pass
-            times.append(time.perf_counter() - start)
-    finally:
-        count.remove()
-    committed, nfe = streamer.seen, len(forwards)
-    if model.config.attention == "bidirectional":
-        steps = nfe
-    else:
-        span = generate(model, prompts, max_new_tokens=committed, eos_token_id=[], **options)
-        if span.nfe != nfe:  # the timed run stopped right after the span's last block, before any commit of it
-            raise RuntimeError(f"the measured span took {nfe} forwards timed but {span.nfe} alone")
-        steps = span.steps
+    """Median over --repeats of the time to commit --measure-tokens tokens per row (prefill included): the
+    generation is set up for --new-tokens and ended by a stopping criterion once every row holds --measure-tokens
+    committed tokens (checked after each block, so the span is a whole number of blocks), with the forwards (nfe,
+    prefill included) and denoising steps that took."""
+    stop = MaxLengthCriteria(prompts.shape[1] + args.measure_tokens)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], stopping_criteria=[stop],
+                       **options)
+        times.append(time.perf_counter() - start)
+    committed = out.new_tokens // prompts.shape[0]
     seconds = sorted(times)[len(times) // 2]
     return {"seconds": seconds, "tokens_per_s": prompts.shape[0] * committed / seconds, "measured_tokens": committed,
-            "nfe": nfe, "steps": steps, "tokens_per_step": committed / steps}
+            "nfe": out.nfe, "steps": out.steps, "tokens_per_step": out.tokens_per_step}
 
 
 def plot(results: list[dict], path: Path, batches, lengths) -> None:

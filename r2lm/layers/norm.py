@@ -30,6 +30,6 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
         y = y.float() * F.silu(z.float())
-        groups = y.unflatten(-1, (-1, self.group_size))
+        groups = y.unflatten(-1, (-1, self.group_size)) if self.group_size != y.shape[-1] else y
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * groups.flatten(-2).to(dtype)
+        return self.weight * groups.reshape(y.shape).to(dtype)

@@ -11,11 +11,16 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """x [B, L, C], weight [C, K], bias [C]: out[t] = sum_k weight[:, k] * x[t - (K-1) + k] (+ bias), zero history.
 
     `reverse`: the same filter run right to left, out[t] = sum_k weight[:, k] * x[t + (K-1) - k], i.e. the causal
-    conv of the flipped sequence, flipped back; computed directly (a correlation with the flipped kernel)."""
-    length, kernel = x.shape[1], weight.shape[1]
-    w = weight.flip(-1) if reverse else weight
-    out = F.conv1d(x.transpose(1, 2), w.unsqueeze(1), bias, padding=kernel - 1, groups=x.shape[2])
-    out = (out[..., kernel - 1 :] if reverse else out[..., :length]).transpose(1, 2)
+    conv of the flipped sequence, flipped back, computed directly.
+
+    Written as K shifted copies of x (unfold) times the kernel, channels last: for the short windows of a decoder
+    that is fewer operations than a grouped conv1d and its transposes, and the same arithmetic."""
+    kernel = weight.shape[1]
+    padded = F.pad(x, (0, 0, 0, kernel - 1) if reverse else (0, 0, kernel - 1, 0))
+    windows = padded.unfold(1, kernel, 1)  # [B, L, C, K]: windows[:, t, :, j] = padded[:, t + j]
+    out = (windows * (weight.flip(-1) if reverse else weight)).sum(-1)
+    if bias is not None:
+        out = out + bias
     return F.silu(out) if activation == "silu" else out
 
 

@@ -123,10 +123,9 @@ def ssd_window_ref(x, dt, A, B, C, D=None, dt_bias=None, reverse: bool = False):
     dA = (dt * A.float()).transpose(1, 2)  # [B, H, L]
     decay = torch.exp(_reverse_segsum(dA) if reverse else _segsum(dA))  # [B, H, L, L]
     groups = B.shape[2]
-    CB = torch.einsum("bign,bjgn->bgij", C.float(), B.float())  # shared by the heads of a group
+    CB = C.float().transpose(1, 2) @ B.float().permute(0, 2, 3, 1)  # [B, G, L, L], shared by the heads of a group
     scores = (decay.view(batch, groups, nheads // groups, length, length) * CB[:, :, None]).flatten(1, 2)
-    xdt = (x.float() * dt[..., None]).transpose(1, 2)  # [B, H, L, P]
-    y = (scores @ xdt).transpose(1, 2)  # [B, L, H, P]
+    y = (scores @ (x.float() * dt[..., None]).transpose(1, 2)).transpose(1, 2)  # [B, L, H, P]
     if D is not None:
         y = torch.addcmul(y, x.float(), D.float()[:, None])
     return y.to(x.dtype)
