@@ -28,6 +28,7 @@ mkdir -p "$RUN"
 exec 9>>"$RUN/run.lock"  # held until this script and its children end, however they end
 flock -n 9 || in_use "$RUN/run.lock"
 printf '{"pid": %d, "host": "%s", "started": "%s"}\n' $$ "${HOSTNAME:-$(uname -n)}" "$(date '+%Y-%m-%d %H:%M:%S %z')" >"$RUN/run.lock"
+trap ': >"$RUN/run.lock"' EXIT  # the record goes with the lock (as train/lock.py's does)
 while IFS= read -r -d '' lock; do  # training runs inside RUN (train/lock.py takes the same flock)
   flock -n "$lock" true || in_use "$lock"
 done < <(find "$RUN" -mindepth 2 -name run.lock -print0)
