@@ -109,7 +109,7 @@ def test_folder_and_glob_sources(tmp_path):
 @pytest.mark.parametrize(
     "make,spec,message",
     [
-        (lambda p: None, "missing.txt", "data file missing.txt does not exist"),
+        (lambda p: None, "missing.txt", "no such file: missing.txt"),
         (lambda p: (p / "empty.jsonl").write_text(""), "{p}/empty.jsonl", "is empty"),
         (lambda p: (p / "f").mkdir(), "{p}/f", "holds no data file"),
         (lambda p: None, "{p}/nothing*.txt", "matches no file"),

@@ -21,8 +21,8 @@ def expect_error(overrides, message, out):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("data.train={root}/missing.txt", "data.train: data file .*missing.txt does not exist"),
-        ("data.heldout={root}/nope.jsonl", "data.heldout: data file .*nope.jsonl does not exist"),
+        ("data.train={root}/missing.txt", "data.train: no such file: .*missing.txt"),
+        ("data.heldout={root}/nope.jsonl", "data.heldout: no such file: .*nope.jsonl"),
         ("seq_len=513", "seq_len 513 is above the model's max_position_embeddings 512"),
         ("seq_len=8", "seq_len 8 must exceed the block size 8"),
         ("objective=mdlm", r"objective 'mdlm' does not fit a 'causal' model \(it needs attention in \('bidirectional',\)\)"),

@@ -4,6 +4,10 @@
 
 Every key is declared once below with its type, default and help text; `--help` prints that table. Unknown keys
 (misspellings included) are an error naming them, so a typo never silently falls back to a default.
+
+A resumed run continues the checkpoint's optimizer, LR schedule, data order and noise exactly, so it refuses
+changed values of every key except those declared `resume_may_change` (they do not change what is computed:
+logging, evaluation and checkpoint frequency, export, tracking ...; train/pretrain.py check_resume).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import yaml
 REQUIRED = object()  # sentinel default: the key must be given
 
 
-def opt(default, help: str, kind=None, choices=None):
-    """A config key: default value, help text, expected type(s), allowed values."""
+def opt(default, help: str, kind=None, choices=None, resume_may_change=False):
+    """A config key: default value, help text, expected type(s), allowed values, and whether a resumed run may give
+    it another value than its checkpoint's."""
     if kind is None and default is not REQUIRED and default is not None:
         kind = type(default)
-    meta = {"help": help, "kind": kind, "choices": choices}
+    meta = {"help": help, "kind": kind, "choices": choices, "resume_may_change": resume_may_change}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,18 +50,20 @@ class DataConfig:
     streaming: bool = opt(False, "stream documents instead of tokenising the whole corpus up front (large corpora); "
                           "a resumed run fast-forwards through the stream to its position")
     shuffle_buffer: int = opt(10000, "documents in the (seeded) shuffle buffer when streaming; 0 = source order")
-    num_proc: int = opt(1, "processes for tokenisation (non-streaming)")
-    cache_dir: Any = opt(None, "datasets cache folder (default: the HF datasets cache)", kind=str)
+    num_proc: int = opt(1, "processes for tokenisation (non-streaming)", resume_may_change=True)
+    cache_dir: Any = opt(None, "datasets cache folder (default: the HF datasets cache)", kind=str,
+                         resume_may_change=True)
 
 
 @dataclass
 class WandbConfig:
     mode: str = opt("offline", "offline (written under OUTPUT_DIR/wandb, sync later), online (falls back to offline "
-                    "without an API key) or disabled", choices=("offline", "online", "disabled"))
-    project: str = opt("r2lm", "wandb project")
-    name: Any = opt(None, "run name (default: the output folder's name)", kind=str)
-    entity: Any = opt(None, "wandb entity (team or user)", kind=str)
-    tags: list = opt([], "run tags")
+                    "without an API key) or disabled", choices=("offline", "online", "disabled"),
+                    resume_may_change=True)
+    project: str = opt("r2lm", "wandb project", resume_may_change=True)
+    name: Any = opt(None, "run name (default: the output folder's name)", kind=str, resume_may_change=True)
+    entity: Any = opt(None, "wandb entity (team or user)", kind=str, resume_may_change=True)
+    tags: list = opt([], "run tags", resume_may_change=True)
 
 
 @dataclass
@@ -73,7 +80,8 @@ class LoraSection:
 @dataclass
 class TrainConfig:
     model: str = opt(REQUIRED, "R2LM checkpoint folder to start from (python -m convert from-hf ...)", kind=str)
-    output_dir: str = opt(REQUIRED, "run folder: checkpoints/, final/ (HF export), metrics.jsonl, train.log, wandb/", kind=str)
+    output_dir: str = opt(REQUIRED, "run folder: checkpoints/, final/ (HF export), metrics.jsonl, train.log, wandb/",
+                          kind=str, resume_may_change=True)
     deepspeed: str = opt("configs/deepspeed/zero2.json", "DeepSpeed JSON config (ZeRO stage and communication "
                          "settings); relative paths are tried from the working directory, then the repository root")
     precision: str = opt("auto", "auto = bf16 on CUDA, fp32 on CPU; overrides bf16.enabled of the DeepSpeed config",
@@ -87,14 +95,15 @@ class TrainConfig:
     complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample")
     eps: float = opt(1e-3, "diffusion objectives: smallest masking probability")
     freeze_backbone: bool = opt(False, "train only the sidecars and their gates (R2LM plug-in variant)")
-    gradient_checkpointing: bool = opt(False, "recompute layer activations in the backward pass to save memory")
+    gradient_checkpointing: bool = opt(False, "recompute layer activations in the backward pass to save memory (the "
+                                       "same forward, recomputed)", resume_may_change=True)
 
     seq_len: int = opt(512, "tokens per packed training sequence (at most the model's max_position_embeddings)")
     micro_batch_size: int = opt(4, "sequences per rank per forward")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     steps: int = opt(1000, "optimizer steps in the whole run (sets the LR schedule)")
     stop_at: Any = opt(None, "stop after this step with a checkpoint, without finishing the schedule (time-limited "
-                       "jobs); rerun with resume=auto to continue", kind=int)
+                       "jobs); rerun with resume=auto to continue", kind=int, resume_may_change=True)
 
     lr: float = opt(1e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of lr")
@@ -104,19 +113,25 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "gradient clipping by global norm; 0 disables")
 
-    log_every: int = opt(10, "log a line (and update wandb) every N steps; metrics.jsonl gets every step")
-    eval_every: int = opt(200, "held-out evaluation every N steps (and at the end); 0 = only at the end")
+    log_every: int = opt(10, "log a line (and update wandb) every N steps; metrics.jsonl gets every step",
+                         resume_may_change=True)
+    eval_every: int = opt(200, "held-out evaluation every N steps (and at the end); 0 = only at the end",
+                          resume_may_change=True)
     eval_batches: int = opt(8, "held-out micro-batches per rank per evaluation (fewer if the held-out set is smaller)")
-    eval_at_start: bool = opt(True, "evaluate once before the first step")
+    eval_at_start: bool = opt(True, "evaluate once before the first step", resume_may_change=True)
     eval_seed: int = opt(1234, "noise seed of the held-out evaluation, fixed so evaluations are comparable")
 
-    save_every: int = opt(500, "DeepSpeed checkpoint every N steps (and at the end); 0 = only at the end")
-    keep_checkpoints: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 keeps all")
+    save_every: int = opt(500, "DeepSpeed checkpoint every N steps (and at the end); 0 = only at the end",
+                          resume_may_change=True)
+    keep_checkpoints: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 keeps all",
+                                resume_may_change=True)
     resume: str = opt("auto", "auto = continue from the latest complete checkpoint in OUTPUT_DIR/checkpoints if any; "
-                      "never = start fresh (refuses a folder that has checkpoints); or a checkpoint folder path")
-    export: bool = opt(True, "write an HF-format R2LM folder to OUTPUT_DIR/final when the run ends")
+                      "never = start fresh (refuses a folder that has checkpoints); or a checkpoint folder path",
+                      resume_may_change=True)
+    export: bool = opt(True, "write an HF-format R2LM folder to OUTPUT_DIR/final when the run ends",
+                       resume_may_change=True)
     export_dtype: str = opt("auto", "dtype of the export; auto = the dtype of the starting checkpoint",
-                            choices=("auto", "float32", "bfloat16", "float16"))
+                            choices=("auto", "float32", "bfloat16", "float16"), resume_may_change=True)
 
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data pipeline (train/data.py)"})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "experiment tracking"})
@@ -288,6 +303,29 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError(f"config key lora.target_modules must be a non-empty list of module names, got {lora.target_modules!r}")
 
 
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a (nested) config dict."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, prefix + key + "."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, cfg's value) of every key that differs from `saved` (the config a checkpoint was
+    written with) and may not change on resume. A key the checkpoint's config lacks had its default."""
+    fields = dict(all_keys())
+    old = {**{name: default_of(f) for name, f in fields.items()}, **flatten(saved)}
+    return [(name, old[name], value) for name, value in flatten(cfg.to_dict()).items()
+            if not fields[name].metadata["resume_may_change"] and old[name] != value]
+
+
 # ---------------------------------------------------------------------------------------------- help
 
 
@@ -300,12 +338,16 @@ def all_keys(cls=TrainConfig, prefix: str = ""):
             yield prefix + f.name, f
 
 
+def default_of(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def keys_help() -> str:
     lines = ["config keys (YAML file and/or key=value overrides):"]
     for name, f in all_keys():
-        default = "(required)" if f.default is REQUIRED else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        default = "(required)" if f.default is REQUIRED else default_of(f)
         choices = f" {{{', '.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
-        lines.append(f"  {name}{choices} = {default}")
+        free = "   (may change on resume)" if f.metadata["resume_may_change"] else ""
+        lines.append(f"  {name}{choices} = {default}{free}")
         lines.append(f"      {f.metadata['help']}")
     return "\n".join(lines)

@@ -23,11 +23,13 @@ document index before shuffling, so the two never share a document.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import itertools
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".j
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 PACK_DOCS = 1000  # documents packed together per map batch; at most seq_len - 1 tokens per batch are dropped
 PACK_VERSION = "r2lm-pack-1"  # part of the cache fingerprint: bump when the packing changes
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "namespace/name"
+TEXT_CHECK_BYTES = 1 << 16  # of every local text file, read by resolve_source: a binary file shows at once
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -65,11 +69,51 @@ def _builder_of(path: Path) -> str | None:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", "./", "../", "~")) or _builder_of(Path(spec)) is not None
+    """Whether `spec` means a local file or folder rather than a hub dataset: it starts like a path, has a data
+    file's extension, cannot be a hub name (two slashes, spaces ...), or starts with a folder that exists here."""
+    if spec.startswith(("/", "./", "../", "~")) or _builder_of(Path(spec)) is not None or not HUB_NAME.match(spec):
+        return True
+    return "/" in spec and Path(spec.split("/")[0]).is_dir()
+
+
+def _no_such_file(spec: str, what: str) -> str:
+    where = "" if Path(spec).expanduser().is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    hub = "; for a hub dataset of that name set data.format=hub" if HUB_NAME.match(spec) else ""
+    return f"{what}: no such file: {spec}{where}{hub}"
+
+
+def first_non_text(path, limit: int | None = None) -> str | None:
+    """Where the file stops being UTF-8 text ("byte 0xff at offset 151 is not UTF-8", a NUL byte), within its
+    first `limit` bytes (None: all of it); None when it is text."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20 if limit is None else min(1 << 20, limit - offset)):
+            nul = chunk.find(b"\0")  # valid UTF-8, but no text file holds one (UTF-16 text holds many)
+            pending = len(decoder.getstate()[0])  # bytes of a character begun in the previous chunk
+            try:
+                decoder.decode(chunk if nul < 0 else chunk[:nul])
+            except UnicodeDecodeError as err:
+                return f"byte 0x{err.object[err.start]:02x} at offset {offset - pending + err.start} is not UTF-8"
+            if nul >= 0:
+                return f"a NUL byte at offset {offset + nul}"
+            offset += len(chunk)
+    if limit is None or offset < limit:  # the whole file was read
+        pending = len(decoder.getstate()[0])
+        if pending:
+            return f"it ends inside a UTF-8 character (offset {offset - pending})"
+    return None
+
+
+def _check_text(path: str, what: str, limit: int | None) -> None:
+    problem = first_non_text(path, limit)
+    if problem is not None:
+        raise ValueError(f"{what}: {path} is not UTF-8 text: {problem} (a binary file?); text files must be UTF-8")
 
 
 def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
-    """Turn a config value into files (checked to exist and be non-empty) or a hub name. Raises ValueError."""
+    """Turn a config value into files (checked to exist, be non-empty and, for text, to start as UTF-8 text) or a
+    hub name. Raises ValueError."""
     specs = spec if isinstance(spec, list) else [spec]
     files: list[str] = []
     hub: list[str] = []
@@ -90,7 +134,7 @@ def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
         elif fmt == "hub" or (fmt == "auto" and not _looks_like_path(s)):
             hub.append(s)
         else:
-            raise ValueError(f"{what}: data file {s} does not exist")
+            raise ValueError(_no_such_file(s, what))
     if hub and (files or len(hub) > 1):
         raise ValueError(f"{what}: give one hub dataset, or local files, not a mix: {specs}")
     if hub:
@@ -104,7 +148,34 @@ def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
         raise ValueError(f"{what}: cannot tell the format of {unknown[0]} from its extension; set data.format")
     if len(builders) > 1:
         raise ValueError(f"{what}: files of different formats ({sorted(builders)}); use one format per source")
-    return Source(builders.pop(), files=files)
+    builder = builders.pop()
+    if builder == "text":
+        for f in files:
+            if not f.lower().endswith(COMPRESSED):  # datasets decompresses those; their bytes are not text
+                _check_text(f, what, TEXT_CHECK_BYTES)
+    return Source(builder, files=files)
+
+
+def _load_error(source: Source, err: Exception) -> str:
+    """The message of a failed datasets.load_dataset: the file and byte offset of a decoding error; for a hub
+    dataset the offline hint, and that no local file of that name exists either."""
+    import datasets
+
+    cause = err
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and source.files:  # a text file that is not UTF-8 past the part resolve_source checked
+        for f in source.files:
+            problem = None if f.lower().endswith(COMPRESSED) else first_non_text(f)
+            if problem is not None:
+                return f"{f} is not UTF-8 text: {problem} (a binary file?); text files must be UTF-8"
+        return f"{source.describe()} is not UTF-8 text: {cause}"
+    reason = f"{type(err).__name__}: {err}"
+    if source.builder != "hub":
+        return f"cannot load {source.describe()}: {reason}"
+    offline = " (HF_DATASETS_OFFLINE is set: only cached hub datasets load)" if datasets.config.HF_HUB_OFFLINE else ""
+    return (f"cannot load hub dataset {source.name}{offline}, and there is no local file or folder of that name in "
+            f"{Path.cwd()} either: {reason}")
 
 
 # ---------------------------------------------------------------------------------------------- documents
@@ -122,11 +193,10 @@ def load_documents(source: Source, cfg, streaming: bool):
             ds = datasets.load_dataset("text", data_files=source.files, sample_by=cfg.text_unit, split="train", **kwargs)
         else:
             ds = datasets.load_dataset(source.builder, data_files=source.files, split="train", **kwargs)
-    except ValueError:
-        raise
-    except Exception as err:  # network / not found / parse errors: one clear message
-        offline = " (HF_DATASETS_OFFLINE is set: only cached hub datasets load)" if datasets.config.HF_HUB_OFFLINE else ""
-        raise ValueError(f"cannot load {source.describe()}{offline}: {type(err).__name__}: {err}") from err
+    except Exception as err:  # network / not found / parse / decoding errors: one clear message
+        if isinstance(err, ValueError) and not isinstance(err, UnicodeDecodeError):
+            raise
+        raise ValueError(_load_error(source, err)) from err
     field = "text" if source.builder == "text" else cfg.text_field
     columns = ds.column_names
     if columns is None and streaming:  # some streamed sources only know their columns after the first example

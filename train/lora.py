@@ -86,11 +86,13 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
     from convert.checkpoint import atomic_output_dir
     from convert.deepspeed_to_hf import load_fp32_state_dict, resolve_checkpoint
     from r2lm import R2LMForDiffusionLM
+    from train.checkpointing import apply_umask, verify_checkpoint
 
     root, tag = resolve_checkpoint(ckpt)
     folder = root / tag
     if not (folder / ADAPTER_CONFIG).is_file():
         raise ValueError(f"{folder} is not a LoRA training checkpoint (no {ADAPTER_CONFIG})")
+    verify_checkpoint(folder)
     state = load_fp32_state_dict(root, tag)
     base = R2LMForDiffusionLM.from_pretrained(base_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
@@ -107,5 +109,6 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
     model.to(dtype)
     with atomic_output_dir(dst, overwrite) as tmp:
         model.save_pretrained(str(tmp))
+        apply_umask(tmp)  # peft writes adapter_model.safetensors 0600
     logger.info("exported the LoRA adapter of %s -> %s (merge: python -m convert merge-lora %s %s DST)", folder, dst, base_dir, dst)
     return Path(dst)

@@ -10,10 +10,12 @@ The DeepSpeed JSON (`deepspeed=`) chooses the ZeRO stage and communication setti
 clipping, precision, the optimizer (torch AdamW: nothing to compile) and the warmup + cosine schedule come from
 the training config, so one YAML describes the run.
 
-Run folder (`output_dir`): config.yaml (resolved config), train.log, metrics.jsonl (one line per step and per
-evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints, see train/checkpointing.py) and
-final/ (HF-format R2LM folder written at the end). With resume=auto a rerun continues from the newest complete
-checkpoint and reproduces the uninterrupted run's losses exactly (same world size).
+Run folder (`output_dir`): run.lock (one run at a time, train/lock.py), config.yaml (resolved config), train.log,
+metrics.jsonl (one line per step and per evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints
+with a checksum manifest, see train/checkpointing.py) and final/ (HF-format R2LM folder written at the end).
+Nothing is written there before the config and the data pass their checks. With resume=auto a rerun continues
+from the newest intact checkpoint and reproduces the uninterrupted run's losses exactly (same world size and
+settings: check_resume).
 
 Block-hybrid conversion runs in two stages of this program: objective=attention_transfer (stage 1,
 train/transfer.py: only feature maps and gates train; attention_transfer.json reports the held-out per-layer MSE
@@ -65,7 +67,9 @@ def setup_environment() -> tuple[int, int, int]:
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # before the first collective, so each rank's objects land on its own GPU
+        torch.cuda.set_device(local_rank)
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed would guess, without the warning
         if "OMP_NUM_THREADS" not in os.environ:  # ranks on one machine share its cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
@@ -105,7 +109,7 @@ class Plan:
     model_config: object
     tokenizer: object
     ds_config: dict
-    resume_from: Path | None
+    resume_candidates: list[Path]  # newest first; the run continues from the first intact one (none: a fresh run)
     source_dtype: str
 
 
@@ -151,7 +155,7 @@ def validate(cfg: TrainConfig) -> Plan:
 
     from r2lm import R2LMConfig
     from r2lm.diffusion import check_objective
-    from train.checkpointing import complete_checkpoints, read_state
+    from train.checkpointing import DamagedCheckpointError
     from train.data import resolve_source
 
     model_dir = resolve_path(cfg.model)
@@ -201,30 +205,81 @@ def validate(cfg: TrainConfig) -> Plan:
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and torch.cuda.is_available())
     ds_config = read_deepspeed_config(cfg, use_bf16)
 
+    candidates = resume_candidates(cfg)
+    for candidate in candidates:  # the newest whose trainer state reads; choose_checkpoint verifies it in full
+        try:
+            check_resume(cfg, candidate)
+            break
+        except DamagedCheckpointError:
+            continue
+    source_dtype = str(config.dtype).removeprefix("torch.") if config.dtype else "float32"
+    return Plan(config, tokenizer, ds_config, candidates, source_dtype)
+
+
+def resume_candidates(cfg: TrainConfig) -> list[Path]:
+    """The checkpoints `cfg.resume` allows this run to continue from, newest first."""
+    from train.checkpointing import complete_checkpoints, read_state
+
     ckpt_root = Path(cfg.output_dir) / "checkpoints"
-    resume_from = None
     if cfg.resume == "auto":
-        found = complete_checkpoints(ckpt_root)
-        resume_from = found[-1][1] if found else None
-    elif cfg.resume == "never":
+        return [path for _, path in reversed(complete_checkpoints(ckpt_root))]
+    if cfg.resume == "never":
         if complete_checkpoints(ckpt_root):
             raise ValueError(f"{ckpt_root} already holds checkpoints and resume=never: use resume=auto to continue "
                              "that run, or a new output_dir")
-    else:
-        resume_from = Path(cfg.resume)
-        read_state(resume_from)  # raises when it is not a complete checkpoint
-    if resume_from is not None:
-        state = read_state(resume_from)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if state["world_size"] != world:
-            raise ValueError(
-                f"checkpoint {resume_from} was written by {state['world_size']} ranks but this run has {world}: exact "
-                "resume needs the same world size (export it with python -m convert deepspeed-to-hf and start a new run)"
-            )
-        if state["step"] >= cfg.steps:
-            raise ValueError(f"checkpoint {resume_from} is at step {state['step']}, the run has steps={cfg.steps}: nothing to do")
-    source_dtype = str(config.dtype).removeprefix("torch.") if config.dtype else "float32"
-    return Plan(config, tokenizer, ds_config, resume_from, source_dtype)
+        return []
+    read_state(cfg.resume)  # raises when it is not a complete checkpoint
+    return [Path(cfg.resume)]
+
+
+def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
+    """Refuse to continue `checkpoint` with settings that exact resume cannot honour (ValueError): another world
+    size, another model, or a changed setting that the optimizer, schedule, data or noise state depends on (the
+    checkpoint's state would silently win over the new value). Settings that do not change what is computed
+    (logging, evaluation and checkpoint frequency, export ...: `resume_may_change` in train/config.py) may change."""
+    from train.checkpointing import read_state
+    from train.config import resume_conflicts
+
+    state = read_state(checkpoint)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if state["world_size"] != world:
+        raise ValueError(
+            f"checkpoint {checkpoint} was written by {state['world_size']} ranks but this run has {world}: exact "
+            "resume needs the same world size (export it with python -m convert deepspeed-to-hf and start a new run)"
+        )
+    if state["step"] >= cfg.steps:
+        raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, the run has steps={cfg.steps}: "
+                         "nothing to do")
+    old = state["config"]
+    old_model = Path(state.get("model_path") or resolve_path(old["model"]).resolve())
+    if old_model != resolve_path(cfg.model).resolve():
+        raise ValueError(
+            f"checkpoint {checkpoint} continues a run of model {old['model']} ({old_model}), but this run has "
+            f"model={cfg.model}: give model={old['model']} to continue it, or a new output_dir to train {cfg.model}"
+        )
+    conflicts = [(key, a, b) for key, a, b in resume_conflicts(old, cfg) if key != "model"]  # compared as a path above
+    if ("steps", old["steps"], cfg.steps) in conflicts and schedule_so_far_unchanged(cfg, old["steps"], state["step"]):
+        conflicts.remove(("steps", old["steps"], cfg.steps))
+    if conflicts:
+        changes = "; ".join(f"{key}: {a!r} in the checkpoint, {b!r} now" for key, a, b in conflicts)
+        if any(key == "steps" for key, _, _ in conflicts):
+            changes += (" (steps sets the cosine decay, so it would change the learning rate of the steps already "
+                        "done; it may change only while the run is in warmup, or with min_lr_ratio=1)")
+        raise ValueError(
+            f"checkpoint {checkpoint} was saved with other settings, and exact resume continues its optimizer, "
+            f"schedule, data order and noise as they were: {changes}. Give the checkpoint's values to continue that "
+            "run, or use a new output_dir for a run with the new settings (python -m convert deepspeed-to-hf exports "
+            "the checkpoint as a model to start it from)"
+        )
+
+
+def schedule_so_far_unchanged(cfg: TrainConfig, old_steps: int, done: int) -> bool:
+    """Whether the learning rates of the `done` steps taken and of the next one are the same under the run's old
+    `steps` (the other schedule settings cannot have changed): then extending or shortening the run is exact."""
+    import dataclasses
+
+    old = dataclasses.replace(cfg, steps=old_steps)
+    return all(lr_factor(step, old) == lr_factor(step, cfg) for step in range(done + 1))
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -353,16 +408,99 @@ class Result:
     export_dir: Path | None
 
 
+def rank0_decides(decide, rank: int, dist, share: bool = True):
+    """decide() on rank 0 only, so the ranks of one run never disagree (on the lock, on the checkpoint): every rank
+    raises its ValueError, or returns its result (share=False: only rank 0 gets it, the others None)."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = decide()
+        except ValueError as err:
+            error = err
+    box = [result if share else None, error]
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise box[1]
+    return result if rank == 0 else box[0]
+
+
+def choose_checkpoint(cfg: TrainConfig, plan: Plan) -> str | None:
+    """The checkpoint to continue from: the newest candidate whose files match their manifest (with resume=auto a
+    damaged one is skipped with a warning for the previous one, which must fit this run as well)."""
+    from train.checkpointing import first_intact
+
+    if not plan.resume_candidates:
+        return None
+    chosen = first_intact(plan.resume_candidates, fallback=cfg.resume == "auto")
+    check_resume(cfg, chosen)  # validate() checked the newest readable candidate, maybe not this one
+    return str(chosen)
+
+
+class GradientWatch:
+    """The sum of every gradient backward produces (tensor hooks on the trainable parameters), in float64 so that
+    only an inf or NaN makes it non-finite: a bad step is caught BEFORE engine.step() applies it. Whether DeepSpeed
+    itself skips such an update depends on the ZeRO stage (stage 0 applies it, and reports no gradient norm)."""
+
+    def __init__(self, module, device):
+        import torch
+
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.handles = [p.register_hook(self._add) for p in module.parameters() if p.requires_grad]
+
+    def _add(self, grad) -> None:
+        import torch
+
+        self.total += grad.detach().sum(dtype=torch.float64)
+
+    def all_finite(self, dist) -> bool:
+        """Whether the gradients of every rank since the last call are finite (collective); restarts the sum."""
+        import torch
+
+        dist.all_reduce(self.total)
+        finite = bool(torch.isfinite(self.total))
+        self.total.zero_()
+        return finite
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def non_finite_error(problem: str, last_ckpt: Path | None) -> NonFiniteLossError:
+    if last_ckpt is None:
+        return NonFiniteLossError(f"{problem}: stopping without saving; the last good checkpoint is none (no "
+                                  "checkpoint was written)")
+    return NonFiniteLossError(
+        f"{problem}: stopping without saving; the last good checkpoint is {last_ckpt} (a run with another lr needs a "
+        f"new output_dir: start it from python -m convert deepspeed-to-hf {last_ckpt} DST)"
+    )
+
+
 def train(cfg: TrainConfig) -> Result:
     """Run (or continue) the training described by `cfg`; collective across ranks."""
     rank, local_rank, world = setup_environment()
-    run_dir = Path(cfg.output_dir)
     setup_logging(rank, None)
     plan = validate(cfg)  # bad input stops here, before the process group, the data or the model
 
     import deepspeed
-    import torch
     from deepspeed import comm as dist
+
+    from train.lock import RunLock
+
+    deepspeed.init_distributed(verbose=False)
+    # one run per output_dir: rank 0 holds the lock for the run's ranks; a refused run stops on every rank
+    lock = rank0_decides(lambda: RunLock(cfg.output_dir), rank, dist, share=False)
+    try:
+        return run(cfg, plan, rank, local_rank, world, dist, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, dist, lock) -> Result:
+    """The training itself, in a locked output_dir (train() sets it up)."""
+    import torch
+    import yaml
     from tqdm.auto import tqdm
 
     from train import checkpointing
@@ -371,17 +509,21 @@ def train(cfg: TrainConfig) -> Result:
     from train.tracking import Tracker, read_metrics
     from train.transfer import write_summary
 
-    deepspeed.init_distributed(verbose=False)
-    setup_logging(rank, run_dir)
+    run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
-    if rank == 0:
-        import yaml
-
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     model_dir = resolve_path(cfg.model)
     eos_id = eos_id_of(plan.tokenizer, plan.model_config)
-    data = build_data(cfg, plan.tokenizer, eos_id, rank, world, first_on_node=local_rank == 0, barrier=dist.barrier)
+    try:  # the data's own checks (it decodes, it fills a sequence) end the validation: nothing is written before
+        data = build_data(cfg, plan.tokenizer, eos_id, rank, world, first_on_node=local_rank == 0, barrier=dist.barrier)
+    except ValueError:
+        if lock is not None:
+            lock.release(discard=True)  # and the output_dir, if this run created it
+        raise
+    setup_logging(rank, run_dir)
+    resume_from = rank0_decides(lambda: choose_checkpoint(cfg, plan), rank, dist)
+    resume_from = Path(resume_from) if resume_from is not None else None
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     engine = build_engine(cfg, plan, model_dir)
     model_config = base_model(engine.module).config
     ckpt_root = run_dir / "checkpoints"
@@ -398,10 +540,10 @@ def train(cfg: TrainConfig) -> Result:
             save_adapter_config(engine.module, folder)
 
     start = 0
-    last_ckpt = plan.resume_from
-    if plan.resume_from is not None:
-        start = checkpointing.load(engine, plan.resume_from)["step"]
-        logger.info("resumed from %s at step %d", plan.resume_from, start)
+    last_ckpt = resume_from
+    if resume_from is not None:
+        start = checkpointing.load(engine, resume_from)["step"]
+        logger.info("resumed from %s at step %d", resume_from, start)
     end = cfg.stop_at or cfg.steps
     tracker = Tracker(cfg, run_dir, rank, start)
     transfer = cfg.objective == "attention_transfer"
@@ -416,7 +558,8 @@ def train(cfg: TrainConfig) -> Result:
         logger.info("step %d: held-out loss %.4g (%d tokens)%s", step, record["eval_loss"], record["eval_tokens"], layers)
 
     def state_at(step: int) -> dict:
-        return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed, "config": cfg.to_dict()}
+        return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed,
+                "config": cfg.to_dict(), "model_path": str(model_dir.resolve())}  # check_resume compares the model
 
     if data.heldout is None:
         logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
@@ -424,10 +567,12 @@ def train(cfg: TrainConfig) -> Result:
         run_eval(0)
     progress = tqdm(total=end, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
     engine.train()
+    gradients = GradientWatch(engine.module, engine.device)
     step = start
     try:
         for step in range(start, end):
             t0 = time.perf_counter()
+            lr = engine.get_lr()[0]  # what this step's update applies (as restored from a checkpoint, on resume)
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
             layer_sum = torch.zeros(len(model_config.hybrid_layers), dtype=torch.float64, device=engine.device)
             for micro in range(cfg.grad_accum):
@@ -440,25 +585,23 @@ def train(cfg: TrainConfig) -> Result:
                 reduced = out.loss.detach().to(torch.float64).clone()
                 dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
                 if not torch.isfinite(reduced):
-                    raise NonFiniteLossError(
-                        f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro}): stopping without "
-                        f"saving; the last good checkpoint is {last_ckpt or 'none (no checkpoint was written)'}"
-                    )
+                    problem = f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro})"
+                    raise non_finite_error(problem, last_ckpt)
                 loss_sum += reduced
                 engine.backward(out.loss)
+                if micro == cfg.grad_accum - 1 and not gradients.all_finite(dist):  # before the update, on every rank
+                    raise non_finite_error(f"non-finite gradient (inf or NaN) at step {step + 1}, before its update",
+                                           last_ckpt)
                 engine.step()
             elapsed = time.perf_counter() - t0
             done = step + 1
             grad_norm = engine.get_global_grad_norm()
             if grad_norm is not None and not math.isfinite(float(grad_norm)):
-                # DeepSpeed skips such an update and would go on skipping every later one: stop like for the loss
-                raise NonFiniteLossError(
-                    f"non-finite gradient norm ({float(grad_norm)}) at step {done}: stopping without saving; the last "
-                    f"good checkpoint is {last_ckpt or 'none (no checkpoint was written)'}"
-                )
+                # finite gradients whose norm still overflowed: DeepSpeed skips such an update and every later one
+                raise non_finite_error(f"non-finite gradient norm ({float(grad_norm)}) at step {done}", last_ckpt)
             record = {
                 "kind": "train", "step": done, "loss": float(loss_sum) / (cfg.grad_accum * world),
-                "lr": cfg.lr * lr_factor(step, cfg), "grad_norm": None if grad_norm is None else float(grad_norm),
+                "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": done * tokens_per_step, "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
             }
             if transfer:
@@ -479,6 +622,7 @@ def train(cfg: TrainConfig) -> Result:
                                                dist.barrier, cfg.keep_checkpoints)
         step = end
     finally:
+        gradients.remove()
         progress.close()
         tracker.finish()
 

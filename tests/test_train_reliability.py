@@ -1,0 +1,347 @@
+"""Reliability of the training program (issue 14): resume with changed settings or another model, divergence,
+damaged checkpoints, one run per output_dir, training data errors, file permissions.
+
+In-process single-rank runs (real DeepSpeed ZeRO engine); the lock across the ranks of one launch goes through the
+real deepspeed launcher (slow), the quickstart's lock through the real script."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_helpers import REPO, free_port, run_cli, run_inprocess, training_inputs
+from test_train_helpers import run_overrides as overrides
+
+import train.pretrain
+from train.checkpointing import (
+    MANIFEST_FILE,
+    DamagedCheckpointError,
+    complete_checkpoints,
+    read_state,
+    verify_checkpoint,
+)
+from train.lock import LOCK_FILE, RunLock
+from train.pretrain import NonFiniteLossError
+from train.tracking import read_metrics
+
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+TIMING = ("tokens_per_s", "step_time_s")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return training_inputs(tmp_path_factory.mktemp("reliability"))
+
+
+def history(run_dir, kind="train"):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir, kind)]
+
+
+def listing(folder: Path) -> dict:
+    """{relative path: bytes} of every file under `folder`: what a refused run must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def stopped_run(inputs):
+    """Steps 1-3 of a 6-step run (warmup 2, cosine after), checkpoint at step 3: the run the resume tests continue."""
+    out = inputs[0] / "stopped"
+    run_inprocess(overrides(inputs, out, "stop_at=3"))
+    return out
+
+
+def copy_run(run_dir: Path, dst: Path) -> Path:
+    shutil.copytree(run_dir, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- 3, 4: resume settings
+
+
+def test_resume_refuses_changed_settings_naming_each(stopped_run, inputs, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
+    before = listing(out)
+    with pytest.raises(ValueError) as info:
+        run_inprocess(overrides(inputs, out, "lr=1.0e-3", "seed=1", "micro_batch_size=2", "data.shuffle_buffer=5"))
+    message = str(info.value)
+    for change in ["lr: 0.003 in the checkpoint, 0.001 now", "seed: 0 in the checkpoint, 1 now",
+                   "micro_batch_size: 4 in the checkpoint, 2 now", "data.shuffle_buffer: 10000 in the checkpoint, 5 now"]:
+        assert change in message
+    assert "step-00000003" in message and "new output_dir" in message
+    assert listing(out) == before  # config.yaml, train.log, metrics and checkpoints as they were
+
+
+def test_resume_refuses_a_longer_schedule_once_the_cosine_decay_began(stopped_run, inputs, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"steps: 6 in the checkpoint, 8 now \(steps sets the cosine decay"):
+        run_inprocess(overrides(inputs, out, "steps=8"))
+
+
+def test_resume_may_change_what_does_not_change_the_math(inputs):
+    """In warmup, `steps` may grow (the learning rates so far do not depend on it); logging, evaluation and checkpoint
+    frequency may change anyway. The resumed run equals the uninterrupted one, and records what it applied."""
+    root = inputs[0]
+    reference, out = root / "longer-reference", root / "longer"
+    run_inprocess(overrides(inputs, reference, "steps=8", "warmup_steps=4", "eval_every=0"))
+    run_inprocess(overrides(inputs, out, "steps=6", "warmup_steps=4", "eval_every=0", "stop_at=3"))
+    run_inprocess(overrides(inputs, out, "steps=8", "warmup_steps=4", "eval_every=4", "log_every=2", "save_every=2",
+                            "keep_checkpoints=0"))
+    assert history(out) == history(reference)  # losses, learning rates and gradient norms, bit for bit
+    assert [r["step"] for r in read_metrics(out, "eval")] == [0, 4, 8]
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [3, 4, 6, 8]
+    saved = (out / "config.yaml").read_text()
+    assert "steps: 8" in saved and "save_every: 2" in saved and "eval_every: 4" in saved
+    assert read_state(out / "checkpoints" / "step-00000008")["config"]["steps"] == 8
+
+
+def test_resume_refuses_another_model(stopped_run, inputs, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
+    other = Path(shutil.copytree(inputs[1], tmp_path / "other-model"))
+    before = listing(out)
+    with pytest.raises(ValueError, match=rf"continues a run of model {inputs[1]} .*but this run has model={other}"):
+        run_inprocess(overrides(inputs, out, f"model={other}"))
+    assert listing(out) == before
+
+
+# ---------------------------------------------------------------------------------------------- 5: divergence
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_divergence_stops_before_the_bad_update(inputs, tmp_path, monkeypatch, stage):
+    """lr 1e9: step 1 sends the weights to ~1e9 and step 2's gradients overflow. Whatever the ZeRO stage does with such
+    a step (stage 0 applies it, then saves NaN weights), the run stops before that update, and the checkpoint it
+    names holds finite weights equal to the engine's: those before the bad step."""
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    ds["zero_optimization"] = {"stage": stage}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    engines = []
+    build = train.pretrain.build_engine
+    monkeypatch.setattr(train.pretrain, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1])
+    out = tmp_path / "diverge"
+    with pytest.raises(NonFiniteLossError, match=r"non-finite gradient \(inf or NaN\) at step 2, before its update.*"
+                                                 r"last good checkpoint is \S*step-00000001"):
+        run_inprocess(overrides(inputs, out, "lr=1.0e9", "warmup_steps=0", "save_every=1", "eval_every=0",
+                                f"deepspeed={tmp_path / 'ds.json'}"))
+    saved = torch.load(out / "checkpoints" / "step-00000001" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    engine = engines[0].module.state_dict()
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    assert max(float(v.abs().max()) for v in saved.values()) > 1e6  # step 1 did move the weights
+    assert saved.keys() == engine.keys() and all(torch.equal(saved[k], engine[k]) for k in saved)
+    RunLock(out).release()  # the failed run let go of its output_dir
+
+
+# ---------------------------------------------------------------------------------------------- 6: damaged checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpointed(inputs):
+    """(uninterrupted 6-step run, the same run stopped at step 4 with checkpoints at 2 and 4)."""
+    root = inputs[0]
+    full, part = root / "ckpt-full", root / "ckpt-part"
+    run_inprocess(overrides(inputs, full, "save_every=2", "eval_every=0"))
+    run_inprocess(overrides(inputs, part, "save_every=2", "eval_every=0", "stop_at=4"))
+    return full, part
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) * 3 // 5  # inside the tensor data of a zip-format torch file, not its directory
+    data[at : at + 4] = bytes(b ^ 0x5A for b in data[at : at + 4])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,shard", [(truncate, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                                          (flip_bytes, "mp_rank_00_model_states.pt"), (truncate, "trainer_state.json")])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(checkpointed, inputs, tmp_path, caplog, damage, shard):
+    full, part = checkpointed
+    out = copy_run(part, tmp_path / "run")
+    damage(out / "checkpoints" / "step-00000004" / shard)
+    run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"step-00000004: {shard} is damaged" in w and "falling back to the previous complete checkpoint" in w
+               and w.endswith("step-00000002") for w in warnings), warnings
+    assert history(out) == history(full)  # replayed from step 2: exactly the uninterrupted run
+
+
+def test_damaged_checkpoint_named_by_resume_is_refused(checkpointed, inputs, tmp_path):
+    _, part = checkpointed
+    out = copy_run(part, tmp_path / "run")
+    ckpt = out / "checkpoints" / "step-00000004"
+    truncate(ckpt / "mp_rank_00_model_states.pt")
+    with pytest.raises(DamagedCheckpointError, match=r"step-00000004: mp_rank_00_model_states.pt is damaged"):
+        run_inprocess(overrides(inputs, tmp_path / "new", "save_every=2", f"resume={ckpt}"))
+    truncate(out / "checkpoints" / "step-00000002" / "trainer_state.json")
+    with pytest.raises(DamagedCheckpointError, match=r"every checkpoint is damaged: .*step-00000004.*step-00000002"):
+        run_inprocess(overrides(inputs, out, "save_every=2"))
+
+
+def test_checkpoint_without_manifest_resumes_with_a_warning(checkpointed, inputs, tmp_path, caplog):
+    full, part = checkpointed
+    out = copy_run(part, tmp_path / "run")
+    (out / "checkpoints" / "step-00000004" / MANIFEST_FILE).unlink()  # as written by an older r2lm
+    run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0"))
+    assert any(f"step-00000004 has no {MANIFEST_FILE}" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert history(out) == history(full)
+
+
+def test_manifest_covers_every_file_in_sha256sum_format(checkpointed, tmp_path):
+    _, part = checkpointed
+    ckpt = shutil.copytree(part / "checkpoints" / "step-00000004", tmp_path / "step-00000004")
+    listed = {line.split("  ", 1)[1] for line in (ckpt / MANIFEST_FILE).read_text().splitlines()}
+    assert listed == {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    check = subprocess.run(["sha256sum", "--check", "--quiet", MANIFEST_FILE], cwd=ckpt, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert verify_checkpoint(ckpt) is True
+    (ckpt / "config.json").unlink()
+    with pytest.raises(DamagedCheckpointError, match=r"step-00000004: config.json is missing"):
+        verify_checkpoint(ckpt)
+
+
+# ---------------------------------------------------------------------------------------------- 10: one run per folder
+
+
+def hold_lock(folder: Path, then: str = "time.sleep(120)") -> subprocess.Popen:
+    """Another process that takes the run lock of `folder` (train.lock, as a training run does), then runs `then`."""
+    code = f"import os, sys, time; from train.lock import RunLock; RunLock(sys.argv[1]); print('locked', flush=True); {then}"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+@pytest.fixture
+def holder(tmp_path):
+    procs = []
+    yield lambda folder: procs.append(hold_lock(folder)) or procs[-1]
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_held_output_dir_is_refused_naming_the_holder(inputs, tmp_path, holder):
+    out = tmp_path / "run"
+    proc = holder(out)
+    with pytest.raises(ValueError, match=rf"output_dir {out} is in use by another run: pid {proc.pid} on host "
+                                         rf"{socket.gethostname()}, started 20\d\d-"):
+        run_inprocess(overrides(inputs, out, "steps=1"))
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written, nothing read
+
+
+def test_lock_of_a_dead_process_does_not_block(inputs, tmp_path):
+    out = tmp_path / "run"
+    killed = hold_lock(out, then="os.kill(os.getpid(), 9)")
+    assert killed.wait() == -signal.SIGKILL and '"pid"' in (out / LOCK_FILE).read_text()  # its record is left behind
+    result = run_inprocess(overrides(inputs, out, "steps=1", "eval_every=0", "export=false"))
+    assert result.step == 1 and (out / LOCK_FILE).read_text() == ""  # released at the end
+
+
+@pytest.mark.slow
+def test_two_rank_launch_into_a_held_output_dir_stops_every_rank(inputs, tmp_path, holder):
+    out = tmp_path / "run"
+    proc = holder(out)
+    launch = run_cli([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "train/pretrain.py",
+                      *overrides(inputs, out, "steps=2")], timeout=240)
+    assert launch.returncode != 0
+    assert f"is in use by another run: pid {proc.pid}" in launch.stdout + launch.stderr
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize("held", ["run.lock", "tiny_cpu/run.lock"])
+@pytest.mark.parametrize("how", ["env", "arg"])
+def test_quickstart_leaves_a_folder_in_use_alone(tmp_path, holder, held, how):
+    folder = tmp_path / "qs"
+    (folder / "corpus").mkdir(parents=True)
+    (folder / "corpus" / "train.txt").write_text("another run's data\n")
+    proc = holder((folder / held).parent)
+    args, env = (["bash", "scripts/quickstart.sh"], {"QUICKSTART_DIR": str(folder)}) if how == "env" else (
+        ["bash", "scripts/quickstart.sh", str(folder)], {})
+    result = run_cli(args, timeout=60, env=env)
+    assert result.returncode != 0
+    assert f"is in use by another run: {{\"pid\": {proc.pid}" in result.stderr and str(folder / held) in result.stderr
+    assert (folder / "corpus" / "train.txt").read_text() == "another run's data\n"
+    assert "=== 1/5" not in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- 14: training data
+
+
+def test_binary_text_file_reports_its_first_bad_byte(inputs, tmp_path):
+    data = tmp_path / "binary.txt"
+    data.write_bytes(b"a few words\n\n" + bytes(range(256)))
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match=rf"data.train: {data} is not UTF-8 text: a NUL byte at offset 13") as info:
+        run_inprocess(overrides(inputs, out, f"data.train={data}"))
+    assert "OFFLINE" not in str(info.value)
+    data.write_bytes(b"a few words\n\n" + bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=r"byte 0x80 at offset 13 is not UTF-8"):
+        run_inprocess(overrides(inputs, out, f"data.train={data}"))
+    assert not (tmp_path / "new").exists()
+
+
+def test_decode_error_past_the_checked_start_names_file_and_offset(inputs, tmp_path):
+    text = inputs[2].read_bytes()
+    text = text * (70_000 // len(text) + 1)  # past the first 64 KiB that validation reads
+    data = tmp_path / "late.txt"
+    data.write_bytes(text + b"\n\nlast words \xff\xfe")
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match=rf"{data} is not UTF-8 text: byte 0xff at offset {len(text) + 13} is not UTF-8") as info:
+        run_inprocess(overrides(inputs, out, f"data.train={data}"))
+    assert "OFFLINE" not in str(info.value)
+    assert not (tmp_path / "new").exists()  # the lock's folder is removed again: the run never started
+
+
+@pytest.mark.parametrize("spec", ["corpus/missing", "no/such/folder", "corpus/missing/"])
+def test_missing_relative_path_is_no_such_file(inputs, monkeypatch, spec):
+    monkeypatch.chdir(inputs[0])  # where corpus/ is
+    out = inputs[0] / "never"
+    with pytest.raises(ValueError, match=rf"data.train: no such file: {spec} \(relative to the working directory "
+                                         rf"{inputs[0]}\)"):
+        run_inprocess(overrides(inputs, out, f"data.train={spec}"))
+    assert not out.exists()
+
+
+def test_run_failing_the_data_checks_writes_nothing(stopped_run, inputs, tmp_path):
+    (tmp_path / "short.txt").write_text("the quick brown fox\n")
+    bad_data = f"data.train={tmp_path / 'short.txt'}"
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="yields no complete sequence"):
+        run_inprocess(overrides(inputs, out, bad_data))
+    assert not (tmp_path / "new").exists()
+    existing = copy_run(stopped_run, tmp_path / "existing")
+    shutil.rmtree(existing / "checkpoints")  # a run folder with config.yaml, train.log, metrics.jsonl and nothing to resume
+    before = listing(existing)
+    with pytest.raises(ValueError, match="yields no complete sequence"):
+        run_inprocess(overrides(inputs, existing, bad_data))
+    assert listing(existing) == before
+
+
+# ---------------------------------------------------------------------------------------------- 16: permissions
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["022", "077"])
+def test_run_files_follow_the_umask(inputs, tmp_path, umask):
+    out = tmp_path / "run"
+    old = os.umask(umask)
+    try:  # a LoRA run: its export (final/, the adapter) is written by train/ itself
+        run_inprocess(overrides(inputs, out, "lora.enabled=true", "steps=2", "save_every=1", "eval_every=0"))
+    finally:
+        os.umask(old)
+    written = {str(p.relative_to(out)): p for p in out.rglob("*")}
+    scripts = {"checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py"}  # DeepSpeed's, copied with u+x
+    wrong = {name: oct(p.stat().st_mode & 0o777) for name, p in written.items()
+             if name not in scripts and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~umask}
+    assert not wrong
+    for name in [LOCK_FILE, "config.yaml", "train.log", "metrics.jsonl", "checkpoints/latest",
+                 f"checkpoints/step-00000002/{MANIFEST_FILE}", "checkpoints/step-00000002/trainer_state.json",
+                 "checkpoints/step-00000002/mp_rank_00_model_states.pt", "final/adapter_model.safetensors"]:
+        assert name in written, name
