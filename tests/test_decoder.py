@@ -312,3 +312,42 @@ def test_converters_write_the_decoding_options(tmp_path):
     assert (saved.block_size, saved.threshold, saved.eos_token_id, saved.max_new_tokens) == (8, 0.9, 3, 40)
     hybrid = convert_to_hybrid(r2lm, tmp_path / "hybrid", layers=[0], feature_dim=8)  # R2LM to R2LM keeps them
     assert GenerationConfig.from_pretrained(hybrid).to_diff_dict() == saved.to_diff_dict()
+
+
+# ---------------------------------------------------------------------------------------------- fused commit
+
+
+def unfused_generate(model, ids, mask, n, b, threshold):
+    """The block decoder of DESIGN 4 written with the public three uses of the forward and a separate commit
+    forward per finished block: prefill, denoise until the block is clean, commit, next block."""
+    from r2lm.generation.sampling import select
+
+    shift = model.config.prediction == "shift"
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + n)
+    head, head_mask = (ids[:, :-1], mask[:, :-1]) if shift else (ids, mask)
+    model.prefill(head, cache, attention_mask=head_mask)
+    opener, blocks = ids[:, -1:], []
+    for start in range(0, n, b):
+        block = torch.full((ids.shape[0], min(b, n - start)), MASK_ID)
+        while (block == MASK_ID).any():
+            window = torch.cat([opener, block[:, :-1]], 1) if shift else block
+            tokens, conf = propose(model.denoise(window, cache), MASK_ID)
+            block = torch.where(select(conf, block == MASK_ID, threshold), tokens, block)
+        model.commit(torch.cat([opener, block[:, :-1]], 1) if shift else block, cache)
+        opener = block[:, -1:]
+        blocks.append(block)
+    return torch.cat([ids, *blocks], 1)
+
+
+@pytest.mark.parametrize("kind", [R2LM, dict(attention="block_causal", sidecar_layers=[2]), HYBRID,
+                                  dict(prediction="inplace", sidecar_layers=[0])],
+                         ids=["r2lm", "block_causal", "hybrid", "inplace"])
+def test_fused_commits_equal_separate_commits_and_recompute(kind):
+    model = peaky(**kind)
+    ids, mask = prompts()
+    fused = generate(model, ids, mask, max_new_tokens=21, block_size=8, threshold=0.6, eos_token_id=[])
+    assert torch.equal(fused.sequences, unfused_generate(model, ids, mask, 21, 8, 0.6))
+    recompute = generate(model, ids, mask, max_new_tokens=21, block_size=8, threshold=0.6, eos_token_id=[],
+                         use_cache=False)
+    assert torch.equal(fused.sequences, recompute.sequences)
+    assert fused.nfe <= fused.steps + 1  # no separate commit forwards: every forward after the prefill is a step

@@ -46,12 +46,13 @@ def _head(model, r):
 
 
 class ExactCache:
-    def __init__(self, model, r):
+    def __init__(self, model, r, extra_room: int = 0):
         from r2lm.prefix.prefill import prefill_rows
 
         self.model = model
         head, head_mask = _head(model, r)
-        batch, room = r.input_ids.shape[0], r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1]
+        batch = r.input_ids.shape[0]
+        room = r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1] + extra_room
         self.pinned, forwards = [], 0
         if r.prefix_cache is not None:  # rows resume from their cached prefixes
             rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]

@@ -69,11 +69,17 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id, pad_token_id, stop_strings +
     tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each block), streamer,
     step_callback (called with a StepInfo after every step); use_cache=True, compile=False (torch.compile the
-    cached decode step), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
+    cached decode step), verify=False (lossless: the model's greedy AR output, drafted by the window and verified
+    by the causal pass, r2lm.generation.verify), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
     models only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an
     r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix).
     """
-    return decode(model, make_request(model, input_ids, attention_mask, generation_config, **options))
+    r = make_request(model, input_ids, attention_mask, generation_config, **options)
+    if r.verify:
+        from r2lm.generation.verify import decode_verified
+
+        return decode_verified(model, r)
+    return decode(model, r)
 
 
 def window_columns(prompt_len: int, start: int, end: int, block_size: int, n: int, suffix: int, shift: bool) -> slice:

@@ -84,6 +84,7 @@ class Request:
     eos_ids: list[int]
     use_cache: bool
     compile: bool
+    verify: bool
     approximate_cache: str | None
     prefix_cache: object | None
     bicache: object | None
@@ -177,7 +178,8 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
     if longest + max_new_tokens + suffix.shape[1] > config.max_position_embeddings:
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + suffix ({suffix.shape[1]} "
                          f"tokens) exceeds the model's maximum length {config.max_position_embeddings}")
-    use_cache, compile_ = bool(o.get("use_cache", True)), bool(o.get("compile", False))
+    use_cache, compile_, verify = (bool(o.get(k, default)) for k, default in
+                                   (("use_cache", True), ("compile", False), ("verify", False)))
     approximate_cache, prefix_cache, bicache = o.get("approximate_cache"), o.get("prefix_cache"), o.get("bicache")
     if approximate_cache not in (None, "prefix", "dual"):
         raise ValueError(f"approximate_cache must be None, 'prefix' or 'dual', got {approximate_cache!r}")
@@ -194,7 +196,7 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, block_size=block_size,
         threshold=threshold, factor=factor, steps=steps, confidence=confidence,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id, pad_id=pad_id,
-        eos_ids=eos, use_cache=use_cache, compile=compile_, approximate_cache=approximate_cache,
+        eos_ids=eos, use_cache=use_cache, compile=compile_, verify=verify, approximate_cache=approximate_cache,
         prefix_cache=prefix_cache, bicache=bicache, suffix_ids=suffix, stop_strings=stop_strings, tokenizer=tokenizer,
         stopping_criteria=criteria, streamer=o.get("streamer"), step_callback=callback,
     )

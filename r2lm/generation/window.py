@@ -69,8 +69,10 @@ class WindowReader:
         self.forwards = 0
         self._run = torch.compile(self._logits, dynamic=False) if compile else self._logits
 
-    def read(self, ids: torch.Tensor, commit: int, keep: slice) -> torch.Tensor:
-        """Logits of the columns `keep` of ids [B, T], whose `commit` leading columns are appended to the cache."""
+    def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True) -> torch.Tensor:
+        """Logits of the columns `keep` of ids [B, T], whose `commit` leading columns are clean context, appended
+        to the cache (with `advance=False` the caller advances the cache itself, by as many of them as it keeps:
+        exact for softmax layers, whose keys are written either way)."""
         cache, width = self.cache, ids.shape[1]
         cache.check_room(width)
         shape = self.shapes.get((width, commit))
@@ -86,7 +88,7 @@ class WindowReader:
             columns=cache.columns[length : length + width], keys=keys, commit=commit,
         )
         logits = self._run(ids, plan, cache, keep)
-        if commit:
+        if commit and advance:
             cache.advance(commit)
         self.forwards += 1
         return logits

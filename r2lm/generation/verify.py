@@ -1,0 +1,101 @@
+"""Lossless verified decoding, `generate(..., verify=True)`: the diffusion window drafts, the causal clean pass
+verifies, and what is committed is, token for token, the model's own greedy AR decoding with sidecars off (for a
+frozen-backbone R2LM: the original pretrained model's greedy output).
+
+Why it is exact: under causal attention with `shift` prediction, the clean pass over [x_{s-1}, d_s .. d_{s+b-2}]
+(sidecars never touch clean columns) gives at column j the AR next-token logits after the committed text followed
+by the draft d_s .. d_{s+j-1}, and writes exactly the keys and values AR decoding would. So the longest draft
+prefix that agrees with those logits' greedy choices is what AR decoding would have produced, and the greedy choice
+at the first disagreement is AR's next token.
+
+One forward per iteration verifies the current draft and drafts the next one (after TiDAR):
+
+    columns   [x_{s-1}, d_s, .., d_{s+b-2}]          clean, causal: verification; its keys go to the cache
+              [d_{s+b-1}, [MASK] * (b-1)]             a window reading them: the draft of the next b tokens,
+                                                      made as if the whole draft were accepted
+
+- every row accepts its draft up to its first disagreement k; the batch commits min_k + 1 tokens per row (the
+  draft's agreed prefix and AR's own next token: for a row that agreed further, that token is its draft token), so
+  rows stay in lockstep and the cache holds keys and values of committed tokens only (it advances by the committed
+  columns; the rest of the forward's columns were scratch);
+- all b accepted: the window's draft is the next draft, exactly conditioned; otherwise the rest of the old draft
+  and the window's guesses, shifted, are the next draft: a draft needs no exactness (the next verification
+  checks it), so a rejection costs no extra forward.
+
+The first draft takes one window-only forward. Greedy only (temperature 0); causal attention, `shift`, softmax
+layers (a block-hybrid layer folds its keys inside the forward, before the accepted length is known).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from r2lm.generation.contexts import ExactCache
+from r2lm.generation.sampling import propose
+from r2lm.generation.stopping import Stopper
+
+
+def check_verifiable(config, r) -> None:
+    if config.attention != "causal" or config.prediction != "shift":
+        raise ValueError("verify=True checks drafts against the causal AR pass: it needs attention='causal' and "
+                         f"prediction='shift', got {config.attention!r} / {config.prediction!r}")
+    if config.hybrid_layers:
+        raise ValueError("verify=True needs softmax attention layers: block-hybrid layers fold their keys inside the "
+                         "forward, before the accepted length is known")
+    if r.temperature > 0:
+        raise ValueError("verify=True reproduces greedy AR decoding: it does not sample (temperature must be 0)")
+    if not r.use_cache or r.suffix_ids.shape[1]:
+        raise ValueError("verify=True decodes with the exact cache (use_cache=True) and no suffix_ids")
+
+
+def decode_verified(model, r):
+    from r2lm.generation.decoding import GenerateOutput, StepInfo
+
+    ids = r.input_ids
+    (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
+    check_verifiable(model.config, r)
+    out = ids.new_full((batch, n + b), r.pad_id)  # generated tokens (one iteration may overshoot by < b)
+    stopper = Stopper(r, batch, ids.device)
+    stopper.stream(ids)
+    masks = ids.new_full((batch, b - 1), r.mask_id)
+    context = ExactCache(model, r, extra_room=2 * b)
+    reader = context.reader
+    opener = ids[:, -1:]
+    written = iterations = 0
+    try:
+        draft, confidence = propose(reader.read(torch.cat([opener, masks], 1), 0, keep=slice(0, b)), r.mask_id)
+        while written < n:
+            logits = reader.read(torch.cat([opener, draft[:, :-1], draft[:, -1:], masks], 1), b, keep=slice(0, 2 * b),
+                                 advance=False)
+            ar = propose(logits[:, :b], r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
+            guess, guess_confidence = propose(logits[:, b:], r.mask_id)
+            agrees = (draft == ar).long().cumprod(1)
+            agreed = torch.where(stopper.finished, b, agrees.sum(1))  # each row's accepted draft length
+            k = int(agreed.min())  # the one host sync of an iteration
+            if r.step_callback is not None:
+                r.step_callback(StepInfo(iterations, written, torch.ones_like(agrees, dtype=torch.bool), draft,
+                                         confidence, agrees.bool(), logits[:, :b]))
+            if k == b:
+                committed, opener, draft, confidence = draft, draft[:, -1:], guess, guess_confidence
+            else:
+                committed = torch.cat([draft[:, :k], ar[:, k : k + 1]], 1)
+                opener = ar[:, k : k + 1]
+                draft = torch.cat([draft[:, k + 1 :], guess[:, : k + 1]], 1)
+                confidence = torch.cat([confidence[:, k + 1 :], guess_confidence[:, : k + 1]], 1)
+            reader.cache.advance(committed.shape[1])  # the clean columns of the committed tokens: their keys are exact
+            block = out[:, written : written + committed.shape[1]]
+            block.copy_(torch.where(stopper.finished[:, None], r.pad_id, committed))
+            stopper.check_eos(block, written)
+            written += block.shape[1]
+            iterations += 1
+            canvas = torch.cat([ids, out[:, : min(written, n)]], 1)
+            stopper.end_block(canvas, prompt_len, min(written, n))
+            stopper.stream(block[:, : max(0, n - written + block.shape[1])], written - block.shape[1])
+            if bool(stopper.finished.all()):
+                break
+    finally:
+        context.close()
+    stopper.end()
+    end = min(written, n)
+    sequences = stopper.trim(torch.cat([ids, out[:, :end]], 1), prompt_len)
+    return GenerateOutput(sequences=sequences, nfe=reader.forwards, steps=iterations, new_tokens=stopper.count(end))

@@ -1,0 +1,133 @@
+"""Verified decoding (invariant 8): generate(verify=True) is, token for token, the model's greedy AR decoding with
+sidecars off: transformers' greedy generate of the source checkpoint, for an R2LM converted from it with its sidecar
+gates open; and several tokens per forward once the drafter is good."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TextStreamer
+
+from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
+from convert.from_hf import convert_from_hf
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.diffusion import compute_loss
+from r2lm.prefix import PrefixCache
+
+
+def left_padded(batch=3, length=9, pads=(0, 3, 6), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK_ID - 1, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(pads[:batch]):
+        mask[row, :n], ids[row, :n] = 0, 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def converted(request, tmp_path_factory):
+    """(transformers model, its R2LM conversion with open sidecar gates)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config(request.param)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8) if not hf.config.tie_word_embeddings else hf.model.embed_tokens.weight.mul_(3)
+    hf.save_pretrained(tmp / "hf")
+    r2lm = R2LMForDiffusionLM.from_pretrained(
+        convert_from_hf(tmp / "hf", tmp / "r2lm", sidecar_layers=[0, 2], mask_token_id=MASK_ID, sidecar_headdim=16,
+                        sidecar_d_state=8)
+    ).eval()
+    with torch.no_grad():
+        for layer in r2lm.model.layers:
+            if layer.sidecar is not None:
+                layer.sidecar.gate.fill_(0.7)  # the drafter differs from the backbone; the output must not
+    return hf, r2lm
+
+
+@pytest.mark.parametrize("block_size,new_tokens", [(4, 24), (5, 23), (8, 13), (1, 6)])
+def test_verify_is_transformers_greedy(converted, block_size, new_tokens):
+    hf, r2lm = converted
+    ids, mask = left_padded()
+    greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+    out = generate(r2lm, ids, mask, max_new_tokens=new_tokens, block_size=block_size, verify=True, eos_token_id=[],
+                   pad_token_id=0)
+    assert torch.equal(out.sequences, greedy)
+    assert out.nfe <= 1 + 1 + new_tokens  # prefill, the first draft, then at least one token per forward
+
+
+def test_verify_stops_rows_at_eos_as_transformers(converted):
+    hf, r2lm = converted
+    ids, mask = left_padded()
+    free = hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 4])
+    greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    out = generate(r2lm, ids, mask, max_new_tokens=20, block_size=4, verify=True, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.sequences, greedy)
+
+
+def test_verify_with_stop_strings_streamer_and_prefix_cache(capsys):
+    tok = tiny_tokenizer()
+    model = tiny_r2lm(vocab_size=len(tok) + 1, mask_token_id=len(tok), open_gates=True, sidecar_layers=[1, 3])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    prompt = tok("the quick brown", return_tensors="pt").input_ids
+    reference = copy.deepcopy(model)
+    for layer in reference.model.layers:
+        layer.sidecar = None
+    reference.config.sidecar_layers = []
+    ar = generate(reference, prompt, max_new_tokens=16, block_size=1, eos_token_id=[])
+    text = tok.decode(ar.sequences[0, prompt.shape[1] :])
+    stop = text[4:7]
+    out = generate(model, prompt, max_new_tokens=16, block_size=4, verify=True, eos_token_id=[], tokenizer=tok,
+                   stop_strings=[stop], streamer=TextStreamer(tok, skip_prompt=True))
+    got = tok.decode(out.sequences[0, prompt.shape[1] :][: out.new_tokens])
+    assert text.startswith(got) and stop in got and got.endswith(stop[-1])
+    assert capsys.readouterr().out.strip() == got.strip()
+    cache = PrefixCache(256, block_tokens=2)
+    for _ in range(2):  # the second request resumes from the cached prompt
+        cached = generate(model, prompt, max_new_tokens=16, block_size=4, verify=True, eos_token_id=[], prefix_cache=cache)
+        assert torch.equal(cached.sequences, ar.sequences)
+    assert cache.stats.hit_tokens > 0
+
+
+PATTERN = torch.tensor([7, 3, 11, 29, 5, 17, 23, 2, 13, 31, 19, 37])
+
+
+def test_a_good_drafter_commits_several_tokens_per_forward():
+    """After a little block-diffusion training on a repeating cycle the window drafts what AR decoding produces:
+    whole drafts are accepted (and the next draft is the window's), and the output is still exactly AR's."""
+    torch.manual_seed(0)
+    model = tiny_r2lm(sidecar_layers=[1, 3], block_size=4).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        starts = torch.randint(0, 12, (8,), generator=g)
+        x0 = torch.stack([PATTERN[(int(s) + torch.arange(32)) % 12] for s in starts])
+        loss = compute_loss("block", model, x0, generator=g).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    prompt = PATTERN[(torch.arange(10) + 3) % 12][None].repeat(2, 1)
+    prompt[1] = PATTERN[(torch.arange(10) + 7) % 12]
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in plain.model.layers:
+            if layer.sidecar is not None:
+                layer.sidecar.gate.zero_()  # sidecars off: block size 1 is the model's AR decoding
+    ar = generate(plain, prompt, max_new_tokens=24, block_size=1, eos_token_id=[])
+    out = generate(model, prompt, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
+    assert torch.equal(out.sequences, ar.sequences)
+    assert out.tokens_per_forward > 2.0, out.tokens_per_forward
+
+
+def test_verify_refuses_what_it_cannot_verify():
+    ids = torch.tensor([[5, 6, 7]])
+    cases = [(dict(attention="block_causal"), {}, "attention='causal'"),
+             (dict(hybrid_layers=[1], hybrid_feature_dim=8), {}, "softmax attention layers"),
+             ({}, dict(temperature=0.8), "does not sample"),
+             ({}, dict(use_cache=False), "exact cache")]
+    for overrides, options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate(tiny_r2lm(**overrides), ids, verify=True, **options)
