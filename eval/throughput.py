@@ -2,7 +2,9 @@
 
     python eval/throughput.py --model R2LM_CKPT [--ar AR_CKPT] [--bidirectional BIDIR_CKPT] [--causal CKPT] [--out DIR]
 
-One run, the same prompts (real held-out text) for every variant, at every batch size x prompt length:
+One run, the same prompts (real held-out text) for every variant, at every batch size x prompt length (and, for
+the diffusion variants, accepted and oracle tokens per step at each --diagnostic-thresholds value: see
+r2lm.generation.ParallelismMeter):
 
     ar        block size 1 with the KV cache: one forward per token
     bidir     bidirectional attention, no cache: the whole canvas every step (LLaDA)
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, MaxLengthCriteria
 
 from r2lm import R2LMForDiffusionLM, generate
+from r2lm.generation import ParallelismMeter
 
 logger = logging.getLogger("eval.throughput")
 VARIANTS = ("ar", "bidir", "bidir+dc", "r2lm", "causal")
@@ -103,8 +106,15 @@ def run_one(model, prompts, args, options: dict) -> dict:
         times.append(time.perf_counter() - start)
     committed = out.new_tokens // prompts.shape[0]
     seconds = sorted(times)[len(times) // 2]
-    return {"seconds": seconds, "tokens_per_s": prompts.shape[0] * committed / seconds, "measured_tokens": committed,
-            "nfe": out.nfe, "steps": out.steps, "tokens_per_step": out.tokens_per_step}
+    row = {"seconds": seconds, "tokens_per_s": prompts.shape[0] * committed / seconds, "measured_tokens": committed,
+           "nfe": out.nfe, "steps": out.steps, "tokens_per_step": out.tokens_per_step, "tpf": {}}
+    if "threshold" in options:  # untimed: accepted and oracle tokens per step at each diagnostic threshold
+        for threshold in args.diagnostic_thresholds:
+            meter = ParallelismMeter()
+            diag = generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], stopping_criteria=[stop],
+                            step_callback=meter, **{**options, "threshold": threshold})
+            row["tpf"][f"{threshold:g}"] = meter.summary(diag.sequences[:, prompts.shape[1] :])
+    return row
 
 
 def plot(results: list[dict], path: Path, batches, lengths) -> None:
@@ -140,7 +150,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="generation length each request is set up for")
     parser.add_argument("--measure-tokens", type=int, default=32, help="committed tokens per row to time")
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of the timed runs")
+    parser.add_argument("--diagnostic-thresholds", type=float, nargs="*", default=[0.5, 0.7, 0.9],
+                        help="thresholds at which accepted and oracle tokens per step are measured (untimed)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median), after one warmup")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all available")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -177,6 +189,13 @@ def main() -> None:
         r["speedup_vs_bidir"], r["speedup_vs_ar"] = vs["bidir"], vs["ar"]
         print(f"{r['batch']:>5} {r['prompt']:>6} {r['variant']:>9} {r['tokens_per_s']:>9.1f} {r['nfe']:>6} "
               f"{r['tokens_per_step']:>8.2f} {vs['bidir']:>8.2f} {vs['ar']:>6.2f}")
+    if args.diagnostic_thresholds:
+        print("\naccepted / oracle tokens per step (oracle: proposals already equal to the final token) by threshold")
+        print(f"{'batch':>5} {'prompt':>6} {'variant':>9} " + " ".join(f"{'t=' + format(t, 'g'):>13}" for t in args.diagnostic_thresholds))
+        for r in results:
+            if r["tpf"]:
+                cells = " ".join(f"{v['accepted_tpf']:>6.2f}/{v['oracle_tpf']:<6.2f}" for v in r["tpf"].values())
+                print(f"{r['batch']:>5} {r['prompt']:>6} {r['variant']:>9} {cells}")
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     meta["bidirectional_weights"] = "trained" if args.bidirectional else "R2LM backbone, attention switched"
     (args.out / "results.json").write_text(json.dumps({"settings": meta, "results": results}, indent=2))

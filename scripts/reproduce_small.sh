@@ -3,6 +3,7 @@
 #
 #   bash scripts/reproduce_small.sh            # about two hours on 2 CPU cores; every stage resumes if interrupted
 #   REPRO_QUICK=1 bash scripts/reproduce_small.sh   # a few minutes: every stage, tiny budgets (a smoke run)
+#   REPRO_VARIANTS="causal r2lm" REPRO_TRAIN_ONLY=1 bash scripts/reproduce_small.sh   # some variants, no evaluations
 #
 # 1. real text (eval/corpus.py): the World English Bible, Python's documentation topics, standard-library code
 # 2. a small base: a random Qwen3 (5.8M parameters, a BPE tokenizer trained on the corpus), pretrained with the
@@ -68,17 +69,22 @@ declare -A CONVERT=(
 )
 declare -A OBJECTIVE=([ar]="objective=ar" [causal]="objective=block" [r2lm]="objective=block"
   [bidirectional]="objective=mdlm" [r2lm_frozen]="objective=block freeze_backbone=true")
-for variant in ar causal r2lm bidirectional; do
+read -r -a VARIANTS <<< "${REPRO_VARIANTS:-ar causal r2lm bidirectional r2lm_frozen}"
+for variant in "${VARIANTS[@]}"; do
+  variant=${variant%_frozen}
   # shellcheck disable=SC2086
   stage "init_$variant" python -m convert from-hf "$OUT/base" "$OUT/init/$variant" --block-size 16 --overwrite ${CONVERT[$variant]}
 done
-for variant in ar causal r2lm bidirectional r2lm_frozen; do
+for variant in "${VARIANTS[@]}"; do
   init="$OUT/init/${variant%_frozen}"
   # shellcheck disable=SC2086
   stage "train_$variant" train "$variant" configs/reproduce/variant.yaml model="$init" ${OBJECTIVE[$variant]}
 done
 
-VARIANTS=(ar causal r2lm bidirectional r2lm_frozen)
+if [ -n "${REPRO_TRAIN_ONLY:-}" ]; then
+  echo "=== trained: ${VARIANTS[*]} (REPRO_TRAIN_ONLY: no evaluations)"
+  exit 0
+fi
 EVAL_SIZE=(--max-sequences 64)
 CLOZE=(--items 200)
 INFILL=(--max-items 100)

@@ -351,3 +351,19 @@ def test_fused_commits_equal_separate_commits_and_recompute(kind):
                          use_cache=False)
     assert torch.equal(fused.sequences, recompute.sequences)
     assert fused.nfe <= fused.steps + 1  # no separate commit forwards: every forward after the prefill is a step
+
+
+def test_the_parallelism_meter_bounds_accepted_by_oracle():
+    from r2lm.generation import ParallelismMeter
+
+    model = peaky(**R2LM)
+    ids, mask = prompts()
+    meter = ParallelismMeter()
+    out = generate(model, ids, mask, max_new_tokens=20, block_size=8, threshold=0.6, eos_token_id=[], step_callback=meter)
+    summary = meter.summary(out.sequences[:, ids.shape[1] :])
+    assert summary["steps"] == out.steps
+    assert summary["accepted_tpf"] == pytest.approx(out.new_tokens / summary["row_steps"])
+    assert summary["oracle_tpf"] >= summary["accepted_tpf"]  # what was accepted was, by definition, right
+    one = ParallelismMeter()
+    out = generate(model, ids, mask, max_new_tokens=8, block_size=8, threshold=1.0, eos_token_id=[], step_callback=one)
+    assert one.summary(out.sequences[:, ids.shape[1] :])["accepted_tpf"] == 1.0
