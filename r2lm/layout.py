@@ -73,7 +73,7 @@ class Layout:
             chunks=chunks,
             noisy=torch.full((T,), noisy, dtype=torch.bool, device=valid.device),
             valid=None if bool(valid.all()) else valid,
-            window_columns=slice(0, T) if noisy else None,
+            window_columns=slice(0, T if noisy else 0),
         )
 
     @classmethod
@@ -97,7 +97,8 @@ class Layout:
             chunks=torch.cat([lay.chunks.expand(batch, -1) if per_row else lay.chunks for lay in layouts], dim=-1),
             noisy=torch.cat([lay.noisy for lay in layouts]),
             valid=valid,
-            window_columns=windows[0] if len(windows) == 1 and isinstance(windows[0], slice) else _right_aligned(windows),
+            window_columns=windows[0] if len(windows) == 1 and isinstance(windows[0], slice) else
+            _right_aligned(windows) if windows else slice(0, 0),
         )
 
     def valid_mask(self, batch: int) -> torch.Tensor:
@@ -150,7 +151,10 @@ class Layout:
         """The sidecar's scope: the columns of each window (the noisy columns of one chunk). A slice when there is
         one window of contiguous columns; else [W, Lw] column indices, right-aligned, -1 padded; None: no window.
 
-        Builders that know them pass `window_columns` (arithmetic, no host sync); otherwise they are derived here."""
+        Builders that know them pass `window_columns` (arithmetic, no host sync; an empty slice: no window);
+        otherwise they are derived here."""
+        if isinstance(self.window_columns, slice) and self.window_columns.start == self.window_columns.stop:
+            return None
         if self.window_columns is not None:
             return self.window_columns
         cols = torch.nonzero(self.noisy).flatten()
@@ -215,7 +219,7 @@ def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction:
     # Window w (block w + 1; block 0 is context) holds columns [w*b, min((w+1)*b, L - b)) of the input: every
     # window has block_size columns but maybe the last. Right-aligned and -1 padded, as Layout.windows.
     count = -(-length // block_size) - 1
-    windows = None
+    windows = slice(0, 0)  # none
     if count > 0:
         starts = torch.arange(count, device=device) * block_size
         ends = (starts + block_size).clamp(max=length - block_size)
