@@ -1,0 +1,315 @@
+"""Parallel decoding, measured: tokens per step and per forward, what they cost in quality, and the speed they buy
+against AR decoding, before and after parallelism training (certainty forcing), R2LM against the causal dLLM.
+
+    python -m eval.parallel_bench --model r2lm=BEFORE,AFTER --model causal=BEFORE,AFTER \\
+        [--reference smollm2=HF_FOLDER] --text HELDOUT [--thresholds 0.5 0.7 0.9] [--prompts 16]
+        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--batch-sizes 1 8] [--out docs/results]
+        [--results-md docs/results.md]
+
+For every checkpoint (a model name's BEFORE and AFTER parallelism training), on the same held-out prompts (the
+first --prompt-tokens tokens of held-out documents), greedy:
+
+- accepted and oracle tokens per step at each threshold (r2lm.generation.ParallelismMeter; oracle: window
+  positions whose proposal already equals the token finally committed);
+- quality: held-out masked NLL at mask ratios 0.15 / 0.5 / 0.9 (eval.likelihood.heldout_nll, the same masks for
+  every checkpoint); token agreement of each threshold's output with the same model's one-token-per-step output
+  (LLaDA's schedule with one step per token); with --reference NAME=HF_FOLDER (the original transformers model a
+  name was converted from), agreement with the reference's own greedy continuation and the NLL of the generated
+  text under the reference;
+- speed, at each batch size, in one interleaved run: R2LM at --speed-threshold, AR decoding of the same backbone
+  (the model without its sidecars, block size 1, KV cache), transformers' generate on that backbone, and
+  verify=True (lossless: it must equal AR token for token; checked), as generated tokens / s and ratios to AR;
+  verify's accepted tokens per forward.
+
+Writes parallel.json and parallel.png to --out and replaces the "Parallel decoding" section of --results-md
+(between its markers) with tables rendered from the JSON (`render`, also used by scripts/make_results.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eval.likelihood import heldout_nll, pack_texts, read_texts  # noqa: E402
+from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
+from r2lm.generation import ParallelismMeter  # noqa: E402
+
+logger = logging.getLogger("eval.parallel_bench")
+BEGIN, END = "<!-- parallel decoding: begin (eval/parallel_bench.py) -->", "<!-- parallel decoding: end -->"
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def load(path: str):
+    from transformers import AutoTokenizer
+
+    return R2LMForDiffusionLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path, padding_side="left")
+
+
+def held_out_prompts(tokenizer, texts: list[str], count: int, length: int) -> torch.Tensor:
+    """[count, length]: the first `length` tokens of the first `count` held-out documents that are long enough."""
+    rows = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) >= length:
+            rows.append(ids[:length])
+        if len(rows) == count:
+            break
+    if len(rows) < count:
+        raise ValueError(f"only {len(rows)} held-out documents have {length} tokens; {count} prompts were asked for")
+    return torch.tensor(rows)
+
+
+def without_sidecars(model):
+    """The backbone alone (AR decoding is exact only without active sidecars)."""
+    plain = copy.deepcopy(model)
+    for layer in plain.model.layers:
+        layer.sidecar = None
+    plain.config.sidecar_layers = []
+    return plain
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+
+
+@torch.no_grad()
+def parallelism(model, prompts, args) -> dict:
+    """Accepted / oracle tokens per step at each threshold, and agreement with one token per step."""
+    options = dict(max_new_tokens=args.new_tokens, block_size=args.block_size, eos_token_id=[])
+    blocks = -(-args.new_tokens // args.block_size)
+    one = generate(model, prompts, steps=blocks * args.block_size, **options).sequences[:, prompts.shape[1] :]
+    out = {"one_per_step": one}
+    for threshold in args.thresholds:
+        meter = ParallelismMeter()
+        seq = generate(model, prompts, threshold=threshold, step_callback=meter, **options).sequences[:, prompts.shape[1] :]
+        out[threshold] = {**meter.summary(seq), "agreement_with_one_per_step": float((seq == one).float().mean()),
+                          "tokens": seq}
+    return out
+
+
+@torch.no_grad()
+def reference_scores(reference, prompts, outputs: dict, new_tokens: int) -> dict:
+    """Agreement with the reference's greedy continuation, and the reference's NLL of each generated text."""
+    greedy = reference.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, prompts.shape[1] :]
+    scores = {}
+    for key, tokens in outputs.items():
+        text = torch.cat([prompts, tokens], 1)
+        logits = reference(text).logits[:, prompts.shape[1] - 1 : -1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        scores[key] = {"agreement_with_reference": float((tokens == greedy).float().mean()), "reference_nll": float(nll)}
+    return scores
+
+
+@torch.no_grad()
+def speed(model, prompts, args, batch: int) -> dict:
+    """tokens/s of R2LM, AR (same backbone), transformers' generate and verify=True, interleaved."""
+    from convert.to_hf import transformers_backbone
+
+    ids = prompts[:batch] if prompts.shape[0] >= batch else prompts.repeat(-(-batch // prompts.shape[0]), 1)[:batch]
+    plain = without_sidecars(model)
+    hf = transformers_backbone(plain).eval()
+    n = args.new_tokens
+    runs = {
+        "r2lm": lambda: generate(model, ids, max_new_tokens=n, block_size=args.block_size,
+                                 threshold=args.speed_threshold, eos_token_id=[]),
+        "ar": lambda: generate(plain, ids, max_new_tokens=n, block_size=1, eos_token_id=[]),
+        "transformers": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                            min_new_tokens=n, do_sample=False, pad_token_id=0),
+        "verify": lambda: generate(model, ids, max_new_tokens=n, block_size=args.block_size, verify=True,
+                                   eos_token_id=[]),
+    }
+    results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
+    ar = results["ar"].sequences
+    checks = {"verify_is_ar": torch.equal(results["verify"].sequences, ar),
+              "ar_is_transformers": torch.equal(results["transformers"], ar)}
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    tps = {name: batch * n / statistics.median(t) for name, t in times.items()}
+    return {"tokens_per_s": tps, "vs_ar": {k: v / tps["ar"] for k, v in tps.items()},
+            "vs_transformers": {k: v / tps["transformers"] for k, v in tps.items()},
+            "r2lm_tokens_per_forward": results["r2lm"].tokens_per_forward,
+            "verify_tokens_per_forward": results["verify"].tokens_per_forward, **checks}
+
+
+def measure(path: str, args, texts, reference=None) -> dict:
+    model, tokenizer = load(path)
+    prompts = held_out_prompts(tokenizer, texts, args.prompts, args.prompt_tokens)
+    par = parallelism(model, prompts, args)
+    entry = {"checkpoint": path, "sidecar_layers": model.config.sidecar_layers, "thresholds": {}}
+    for t in args.thresholds:
+        entry["thresholds"][f"{t:g}"] = {k: v for k, v in par[t].items() if k != "tokens"}
+    if reference is not None:
+        outputs = {f"{t:g}": par[t]["tokens"] for t in args.thresholds} | {"one_per_step": par["one_per_step"]}
+        entry["reference"] = reference_scores(reference, prompts, outputs, args.new_tokens)
+    eos = tokenizer.eos_token_id
+    rows = pack_texts(tokenizer, texts, args.nll_seq_len, eos, args.nll_sequences)
+    nll = heldout_nll(model, rows, mode="auto", block_size=args.block_size, separator_id=eos, progress=False)
+    entry["masked_nll"] = {r: v["nll"] for r, v in nll["masked"].items()}
+    entry["speed"] = {str(b): speed(model, prompts, args, b) for b in args.batch_sizes}
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def render(results: dict) -> str:
+    """The "Parallel decoding" section of docs/results.md, from parallel.json."""
+    s = results["settings"]
+    lines = [
+        "## Parallel decoding",
+        "",
+        f"Generated by `python -m eval.parallel_bench` (commit {results.get('commit', '?')}): {s['prompts']} held-out "
+        f"prompts of {s['prompt_tokens']} tokens, {s['new_tokens']} new tokens, block size {s['block_size']}, greedy. "
+        "*Accepted* tokens per step: what the threshold rule took; *oracle*: window positions whose proposal already "
+        "equalled the token finally committed (a rule that knew which proposals are right could take them). "
+        "Agreement: share of generated tokens equal to the same model's one-token-per-step output.",
+        "",
+        "| model | stage | threshold | accepted / step | oracle / step | agreement | masked NLL @0.5 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, stages in results["models"].items():
+        for stage, e in stages.items():
+            for t, v in e["thresholds"].items():
+                lines.append(f"| {name} | {stage} | {t} | {v['accepted_tpf']:.2f} | {v['oracle_tpf']:.2f} | "
+                             f"{v['agreement_with_one_per_step']:.1%} | {e['masked_nll'].get('0.5', float('nan')):.3f} |")
+    refs = [(n, st, e) for n, stages in results["models"].items() for st, e in stages.items() if "reference" in e]
+    if refs:
+        lines += ["", "Against the original model (the transformers checkpoint converted): agreement with its greedy "
+                  "continuation, and its NLL of the generated text.", "",
+                  "| model | stage | output | agreement with original | NLL under original |", "|---|---|---|---|---|"]
+        for name, stage, e in refs:
+            for key, v in e["reference"].items():
+                lines.append(f"| {name} | {stage} | {key} | {v['agreement_with_reference']:.1%} | {v['reference_nll']:.3f} |")
+    lines += ["", f"Speed: generated tokens / s, R2LM at threshold {s['speed_threshold']}, AR = the same backbone "
+              "without sidecars decoding one token per forward with the KV cache, transformers = its `generate` on "
+              "that backbone, verify = `verify=True` (lossless: its output is AR's, checked). Ratios to AR; one "
+              "interleaved run per batch size.", "",
+              "| model | stage | batch | R2LM / AR | verify / AR | AR / transformers | R2LM tokens/forward | "
+              "verify tokens/forward | verify == AR |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, stages in results["models"].items():
+        for stage, e in stages.items():
+            for batch, v in e["speed"].items():
+                lines.append(f"| {name} | {stage} | {batch} | {v['vs_ar']['r2lm']:.2f} | {v['vs_ar']['verify']:.2f} | "
+                             f"{v['vs_transformers']['ar']:.2f} | {v['r2lm_tokens_per_forward']:.2f} | "
+                             f"{v['verify_tokens_per_forward']:.2f} | {v['verify_is_ar']} |")
+    lines += ["", "![parallel decoding](results/parallel.png)"]
+    return "\n".join(lines)
+
+
+def replace_section(path: Path, section: str) -> None:
+    text = path.read_text() if path.is_file() else ""
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels, accepted, oracle, ratio = [], [], [], []
+    top = f"{max(results['settings']['thresholds']):g}"
+    for name, stages in results["models"].items():
+        for stage, e in stages.items():
+            labels.append(f"{name}\n{stage}")
+            accepted.append(e["thresholds"][top]["accepted_tpf"])
+            oracle.append(e["thresholds"][top]["oracle_tpf"])
+            ratio.append([v["vs_ar"]["r2lm"] for v in e["speed"].values()])
+    x = range(len(labels))
+    left.bar([i - 0.2 for i in x], accepted, 0.4, label="accepted")
+    left.bar([i + 0.2 for i in x], oracle, 0.4, label="oracle")
+    left.set(title=f"tokens per step at threshold {top}", xticks=list(x), xticklabels=labels)
+    left.legend()
+    batches = results["settings"]["batch_sizes"]
+    for j, b in enumerate(batches):
+        right.bar([i + (j - (len(batches) - 1) / 2) * 0.35 for i in x], [r[j] for r in ratio], 0.35, label=f"batch {b}")
+    right.axhline(1.0, color="k", lw=0.8)
+    right.set(title="R2LM tokens/s / AR tokens/s", xticks=list(x), xticklabels=labels)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", required=True, metavar="NAME=BEFORE,AFTER",
+                        help="checkpoints of one model before and after parallelism training (repeatable)")
+    parser.add_argument("--reference", action="append", default=[], metavar="NAME=HF_FOLDER",
+                        help="the transformers checkpoint a model was converted from")
+    parser.add_argument("--text", type=Path, required=True, help="held-out text (.txt / .jsonl / folder)")
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    parser.add_argument("--speed-threshold", type=float, default=0.9)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nll-seq-len", type=int, default=256)
+    parser.add_argument("--nll-sequences", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    texts = read_texts(args.text)
+    references = dict(item.split("=", 1) for item in args.reference)
+    results = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "models": {}}
+    results["commit"] = _commit()
+    for item in args.model:
+        name, paths = item.split("=", 1)
+        before, after = paths.split(",")
+        reference = AutoModelForCausalLM.from_pretrained(references[name]).eval() if name in references else None
+        results["models"][name] = {}
+        for stage, path in (("before", before), ("after", after)):
+            logger.info("%s, %s parallelism training: %s", name, stage, path)
+            results["models"][name][stage] = measure(path, args, texts, reference)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "parallel.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out / "parallel.png")
+    section = render(results)
+    replace_section(args.results_md, section)
+    print(section)
+    return results
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+if __name__ == "__main__":
+    main()
