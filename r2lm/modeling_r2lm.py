@@ -24,17 +24,21 @@ from transformers.modeling_outputs import CausalLMOutput
 from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
+from r2lm.layers.hybrid import HybridParts
 from r2lm.layout import Layout
+from r2lm.ops.flex import BlockSparse, block_sparse
 
 
 @dataclass
 class AttentionPlan:
     """How the layers of one forward attend, derived once from the layout."""
 
-    mask: torch.Tensor | None  # softmax layers: [B or 1, 1, T, keys] or None with is_causal / no mask
+    mask: torch.Tensor | None  # softmax layers: [B or 1, 1, T, keys] or None with is_causal / no mask / block_mask
     is_causal: bool
-    own: torch.Tensor | None = None  # block-hybrid layers: softmax part [B or 1, 1, T, T]
-    earlier: torch.Tensor | None = None  # block-hybrid layers: linear part [B or 1, 1, T, T]
+    own: torch.Tensor | None = None  # block-hybrid layers over a cache: softmax part [B or 1, 1, T, T]
+    earlier: torch.Tensor | None = None  # block-hybrid layers over a cache: linear part [B or 1, 1, T, T]
+    block_mask: BlockSparse | None = None  # softmax layers under flex_attention (no cache): the layout's tiles
+    hybrid: HybridParts | None = None  # block-hybrid layers without a cache: the chunked (linear-time) form
     valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
     commit: bool = False  # the input is appended to the cache
     transfer: list | None = None  # attention transfer: hybrid layers append their MSE to the softmax teacher
@@ -70,30 +74,34 @@ class R2LMModel(nn.Module):
                 transfer: list | None = None):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h, layout.positions)
-        plan = self.plan(layout, cache, commit)
-        if transfer is not None:
-            if cache is not None:
-                raise ValueError("attention transfer runs on a full layout, without a cache")
-            plan.transfer, plan.mask, plan.is_causal = transfer, layout.attention_mask(self.config.attention), False
+        if transfer is not None and cache is not None:
+            raise ValueError("attention transfer runs on a full layout, without a cache")
+        plan = self.plan(layout, cache, commit, transfer)
         windows = layout.windows if self.config.sidecar_layers else None
         for layer in self.layers:
             h = layer(h, cos, sin, plan, cache, windows)
         return self.norm(h)
 
-    def plan(self, layout: Layout, cache: KVCache | None, commit: bool) -> AttentionPlan:
+    def plan(self, layout: Layout, cache: KVCache | None, commit: bool, transfer: list | None = None) -> AttentionPlan:
         kind = self.config.attention
         # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
         plain = cache is None and layout.is_plain
-        if len(self.config.hybrid_layers) == self.config.num_hidden_layers:
-            mask = None
-        elif plain:
-            mask = None
+        # softmax layers (or, under attention transfer, the softmax teacher of every hybrid layer) need a mask
+        softmax = transfer is not None or len(self.config.hybrid_layers) < self.config.num_hidden_layers
+        mask = blocks = None
+        if not softmax or plain:
+            pass
+        elif cache is None and self.config._attn_implementation == "flex_attention":
+            blocks = block_sparse(layout, kind)
         elif cache is None:
             mask = layout.attention_mask(kind)
         else:
             mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
-        plan = AttentionPlan(mask, plain and kind == "causal", valid=layout.valid, commit=commit)
-        if self.config.hybrid_layers:
+        plan = AttentionPlan(mask, plain and kind == "causal", valid=layout.valid, commit=commit, block_mask=blocks,
+                             transfer=transfer)
+        if self.config.hybrid_layers and cache is None:
+            plan.hybrid = HybridParts.of(layout, kind, self.config.block_size)
+        elif self.config.hybrid_layers:
             own, earlier = layout.mask_parts(kind)
             plan.own, plan.earlier = own[:, None], earlier[:, None]
         return plan
@@ -106,6 +114,16 @@ class R2LMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["R2LMDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # training and full-recompute forwards attend through the layout's BlockMask
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """`attn_implementation` of from_pretrained / the config: "flex_attention" (block-sparse attention from the
+        layout's predicate, for forwards without a cache) or "sdpa" (SDPA over the dense mask: the reference).
+        Unset: flex_attention where CUDA is available (torch's flex kernels run forward and backward there), else
+        sdpa. Forwards over a cache (prefill, denoise, commit) always use SDPA."""
+        if requested_attention is None:
+            requested_attention = "flex_attention" if _flex_on_cuda() else "sdpa"
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -247,6 +265,12 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel):
             if param.requires_grad:
                 trainable.append(name)
         return trainable
+
+
+def _flex_on_cuda() -> bool:
+    from transformers.utils import is_torch_flex_attn_available
+
+    return torch.cuda.is_available() and is_torch_flex_attn_available()
 
 
 def _ones_if_none(attention_mask, input_ids):
