@@ -122,9 +122,8 @@ class Layout:
         def table(t, fill):  # [rows, T + pad]; the padding columns are no key of any query, and see nothing
             return torch.nn.functional.pad(t.expand(rows, self.length), (0, pad), value=fill).contiguous()
 
-        chunks = self.chunks.expand(rows, -1)
-        stream = chunks * 2 + self.noisy.long()  # a chunk's clean columns and its window are separate streams
-        pos, chunk = table(self.positions, 0), table(chunks, -1)
+        stream = self.streams
+        pos, chunk = table(self.positions, 0), table(self.chunks.expand(rows, -1), -1)
         query_stream = table(stream, -2)
         key_stream = table(torch.where(real, stream, -1), -1)  # padding keys are in no stream
         clean_key = table(~self.noisy & real, False)
@@ -154,6 +153,12 @@ class Layout:
             return own(b, h, q, kv) | earlier(b, h, q, kv)
 
         return {"own": own, "earlier": earlier, "all": union}[part]
+
+    @property
+    def streams(self) -> torch.Tensor:
+        """long [rows, T]: each column's stream, a chunk's clean columns or its window. Outside bidirectional
+        attention a real key is in a query's own part only if it is in the query's stream."""
+        return self.chunks.expand(self.rows, -1) * 2 + self.noisy.long()
 
     def dense_mask(self, kind: str, part: str = "all") -> torch.Tensor:
         """The predicate evaluated on every pair: bool [B or 1, T, T] (True = query row may see key column)."""

@@ -1,6 +1,6 @@
 """Block-sparse attention from a Layout's predicate (DESIGN 6, invariant 9).
 
-`block_sparse(layout, kind, part)` evaluates the layout's `mask_mod` once, a band of query rows at a time (never a
+`block_sparse(layout, kind, part)` evaluates the layout's `mask_mod` once, a bounded batch of tiles at a time (never a
 [T, T] mask), into the non-empty tiles of the [T, T] pairs:
 - `.block_mask`: a flex_attention BlockMask (partial and full tiles, the predicate for the partial ones);
 - `.tiles`: the same tiles as a flat list with the masks of the partial ones, for the tile-by-tile code here.
@@ -129,42 +129,58 @@ class BlockSparse:
 
 
 def block_sparse(layout, kind: str, part: str = "all", tile: int = TILE) -> BlockSparse:
-    """The tiles of `layout.mask_mod(kind, part)`, built once per layout (the layers of one forward share them)."""
+    """The tiles of `layout.mask_mod(kind, part)`, built once per layout (the layers of one forward share them).
+
+    The predicate is evaluated on every tile, or for the own part (outside bidirectional attention) only on the tiles
+    whose query and key columns share a stream, and the diagonal ones: linear in the length, not quadratic."""
     per_layout = _CACHE.setdefault(layout, {})
     key = (kind, part, tile)
     if key not in per_layout:
-        per_layout[key] = _build(layout.mask_mod(kind, part, pad_to=tile), layout.rows, layout.length, tile,
-                                 layout.chunks.device)
+        blocks = math.ceil(layout.length / tile)
+        if part == "own" and kind != "bidirectional":
+            candidates = _sharing_a_stream(layout.streams, tile, blocks)
+        else:
+            candidates = torch.ones(layout.rows, blocks, blocks, dtype=torch.bool, device=layout.chunks.device)
+        per_layout[key] = _build(layout.mask_mod(kind, part, pad_to=tile), layout.length, tile, candidates)
     return per_layout[key]
 
 
-def _build(mask_mod, rows: int, length: int, tile: int, device) -> BlockSparse:
-    """Evaluate the predicate a band of query rows at a time and keep what the tiles need: which tiles hold a
-    visible pair, which are full, and the pairs of the partial ones."""
-    blocks = math.ceil(length / tile)
-    cols = torch.arange(blocks * tile, device=device)  # past the end the predicate's tables see nothing
-    batch = torch.arange(rows, device=device)[:, None, None]
-    band = max(1, _EVAL_ELEMENTS // (rows * tile * len(cols))) * tile  # query rows evaluated at once
-    any_, all_, masks = [], [], []
-    slot = torch.full((rows, blocks, blocks), -1, dtype=torch.long, device=device)
-    n_partial = 0
-    for start in range(0, len(cols), band):
-        q = cols[start : start + band]
-        seen = mask_mod(batch, None, q[None, :, None], cols[None, None, :]).expand(rows, len(q), len(cols))
-        seen = seen.reshape(rows, -1, tile, blocks, tile)
-        a, f = seen.any(-1).any(2), seen.all(-1).all(2)  # [rows, nq, nk]
-        seen = seen.transpose(2, 3)  # [rows, nq, nk, t, t]
-        partial = a & ~f
-        masks.append(seen[partial])
-        count = int(partial.sum())
-        slot[:, start // tile : (start + len(q)) // tile][partial] = torch.arange(n_partial, n_partial + count,
-                                                                                  device=device)
-        n_partial += count
-        any_.append(a)
-        all_.append(f)
-    any_, all_ = torch.cat(any_, 1), torch.cat(all_, 1)
-    row, q_block, kv_block = torch.nonzero(any_, as_tuple=True)
-    tiles = Tiles(tile, length, rows, row, q_block, kv_block, slot[row, q_block, kv_block], torch.cat(masks))
+def _sharing_a_stream(streams: torch.Tensor, tile: int, blocks: int) -> torch.Tensor:
+    """bool [rows, blocks, blocks]: tile pairs whose query and key tiles hold columns of one stream, or the diagonal."""
+    rows, length = streams.shape
+    _, ids = torch.unique(streams, return_inverse=True)
+    where = torch.zeros(rows, int(ids.max()) + 1, blocks, device=streams.device)  # stream s has columns in tile j
+    row = torch.arange(rows, device=streams.device)[:, None].expand(-1, length)
+    where[row, ids, (torch.arange(length, device=streams.device) // tile).expand(rows, -1)] = 1
+    shared = (where.transpose(1, 2) @ where) > 0
+    return shared | torch.eye(blocks, dtype=torch.bool, device=streams.device)
+
+
+def _build(mask_mod, length: int, tile: int, candidates: torch.Tensor) -> BlockSparse:
+    """Evaluate the predicate on the candidate tiles (bool [rows, blocks, blocks]; the others hold no visible pair),
+    a bounded number at a time, and keep what the tiles need: which hold a visible pair, which are full, and the
+    pairs of the partial ones."""
+    rows, blocks, _ = candidates.shape
+    device = candidates.device
+    row, q_block, kv_block = torch.nonzero(candidates, as_tuple=True)
+    offsets = torch.arange(tile, device=device)
+    nonempty, full, masks = [], [], []
+    per_batch = max(1, _EVAL_ELEMENTS // tile**2)
+    for lo in range(0, len(row), per_batch):
+        r, q, kv = row[lo : lo + per_batch], q_block[lo : lo + per_batch], kv_block[lo : lo + per_batch]
+        seen = mask_mod(r[:, None, None], None, (q * tile)[:, None, None] + offsets[:, None],
+                        (kv * tile)[:, None, None] + offsets).expand(len(r), tile, tile)
+        nonempty.append(seen.flatten(1).any(1))
+        full.append(seen.flatten(1).all(1))
+        masks.append(seen[nonempty[-1] & ~full[-1]])
+    nonempty, full = torch.cat(nonempty), torch.cat(full)
+    any_ = torch.zeros_like(candidates).index_put_((row, q_block, kv_block), nonempty)
+    all_ = torch.zeros_like(candidates).index_put_((row, q_block, kv_block), full)
+    partial = torch.full((len(row),), -1, dtype=torch.long, device=device)
+    is_partial = nonempty & ~full
+    partial[is_partial] = torch.arange(int(is_partial.sum()), device=device)
+    tiles = Tiles(tile, length, rows, row[nonempty], q_block[nonempty], kv_block[nonempty], partial[nonempty],
+                  torch.cat(masks))
     return BlockSparse(mask_mod, tiles, any_, all_)
 
 
