@@ -89,14 +89,13 @@ class R2LMModel(nn.Module):
         # softmax layers (or, under attention transfer, the softmax teacher of every hybrid layer) need a mask
         softmax = transfer is not None or len(self.config.hybrid_layers) < self.config.num_hidden_layers
         mask = blocks = None
-        if not softmax or plain:
-            pass
-        elif cache is None and self.config._attn_implementation == "flex_attention":
-            blocks = block_sparse(layout, kind)
-        elif cache is None:
-            mask = layout.attention_mask(kind)
-        else:
-            mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
+        if softmax and not plain:
+            if cache is not None:
+                mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
+            elif self.config._attn_implementation == "flex_attention":
+                blocks = block_sparse(layout, kind)
+            else:
+                mask = layout.attention_mask(kind)
         plan = AttentionPlan(mask, plain and kind == "causal", valid=layout.valid, commit=commit, block_mask=blocks,
                              transfer=transfer)
         if self.config.hybrid_layers and cache is None:

@@ -165,6 +165,20 @@ def test_flex_equals_sdpa_for_the_block_objective(name):
     _assert_same_grads(grads["flex_attention"], grads["sdpa"])
 
 
+def test_flex_equals_sdpa_for_mdlm_on_a_padded_bidirectional_batch():
+    model = tiny_r2lm(attention="bidirectional", prediction="inplace")
+    x0 = torch.randint(0, MASK_ID, (3, 24), generator=torch.Generator().manual_seed(5))
+    padding = torch.ones_like(x0)
+    padding[1, :7], padding[2, :15] = 0, 0  # left padding: the layout has invalid columns
+    losses, grads = {}, {}
+    for implementation in ("sdpa", "flex_attention"):
+        _with(model, implementation)
+        out = compute_loss("mdlm", model, x0, attention_mask=padding, generator=torch.Generator().manual_seed(6))
+        losses[implementation], grads[implementation] = out.loss.detach(), _grads(model, out.loss)
+    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], atol=1e-5, rtol=1e-5)
+    _assert_same_grads(grads["flex_attention"], grads["sdpa"])
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_flex_equals_sdpa_on_padded_prompt_layouts(name):
     model = tiny_r2lm(open_gates=True, **MODELS[name])
