@@ -372,6 +372,7 @@ def scaling_plot(summary: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for variant in SCALING_VARIANTS:
@@ -383,6 +384,7 @@ def scaling_plot(summary: dict, path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="seq_len (dual stream: 2L - 32 columns)", ylabel=label)
         ticks = sorted({r["seq_len"] for r in summary["results"]})
         ax.set_xticks(ticks, [str(x) for x in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"block objective, batch 1, {summary['meta']['threads']} CPU threads (indicative: shared machine)",
