@@ -15,6 +15,20 @@ Heavy load still skews the wall ratio (threads wait for descheduled peers after 
 many small ops): results whose samples vary more than 1.25x are flagged, and on a busy machine the cpu-time
 overhead of a `--threads 1` run is the robust number.
 Writes results.json and throughput.png to --out.
+
+    python -m eval.bench_forward --scaling [--threads 1]   # attention at length: sdpa vs flex, hybrid vs softmax
+
+`--scaling` times the same block-objective step (fwd+bwd, batch 1) at seq_len 512 / 1024 / 2048 / 4096 (dual stream:
+2L - block_size columns) on a tiny model whose cost is its attention (hidden 64, 3 layers, 4 heads / 2 KV heads,
+sidecar on layer 1), for three variants: `sdpa` (R2LM, SDPA over the dense mask), `flex` (R2LM, attn_implementation
+flex_attention: on CPU, SDPA over the BlockMask's packed tiles) and `hybrid` (R2LM with every layer block-hybrid:
+the chunked, linear-time form). Each (variant, length) runs in its own subprocess; its peak memory is that process's
+max RSS (resource.getrusage) minus its RSS after the model is built and a short warm-up step has run, so it counts
+everything the step allocates (torch's CPU allocator returns memory to malloc, which tracemalloc does not see).
+Issue targets (CPU): flex >= 2x faster than sdpa at 2048 with <= 1/4 of its peak memory; hybrid <= 1.2x the
+all-softmax model (flex) at 2048; hybrid time and memory grow <= 5x from 1024 to 4096. On a shared machine the
+figures are indicative: compare the ratios, and prefer the cpu-time columns of a --threads 1 run.
+Writes scaling.json and scaling.png to --out.
 """
 
 from __future__ import annotations
@@ -68,6 +82,29 @@ QUICK_MODEL = dict(
     block_size=32,
     max_position_embeddings=4096,
 )
+
+
+# --scaling: a model whose cost is its attention (the issue's tiny all-hybrid setting), batch 1
+SCALING_MODEL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    block_size=32,
+    max_position_embeddings=8192,
+    sidecar_d_state=16,
+    sidecar_headdim=16,
+    hybrid_feature_dim=16,
+)
+SCALING_VARIANTS = {  # name: (attn_implementation, every layer block-hybrid)
+    "sdpa": ("sdpa", False),
+    "flex": ("flex_attention", False),
+    "hybrid": ("sdpa", True),
+}
+SCALING_TARGETS = dict(flex_speedup_2048=2.0, flex_memory_ratio_2048=0.25, hybrid_vs_softmax_2048=1.2, hybrid_growth=5.0)
 
 
 def build_models(fields: dict, sidecar_layers: list[int], gate: float, seed: int):
@@ -212,6 +249,171 @@ def profile_sidecar(side_model, seq_len: int, batch: int, reps: int, seed: int) 
     }
 
 
+# ---------------------------------------------------------------------------------------------- --scaling
+
+
+def scaling_model(variant: str, seed: int):
+    """The R2LM of --scaling (sidecar on layer 1, gate open) as `variant` runs it."""
+    implementation, hybrid = SCALING_VARIANTS[variant]
+    fields = dict(SCALING_MODEL, mask_token_id=SCALING_MODEL["vocab_size"] - 1, sidecar_layers=[1])
+    if hybrid:
+        fields["hybrid_layers"] = list(range(fields["num_hidden_layers"]))
+    torch.manual_seed(seed)
+    model = R2LMForDiffusionLM._from_config(R2LMConfig(**fields), attn_implementation=implementation).train()
+    with torch.no_grad():
+        model.model.layers[1].sidecar.gate.fill_(0.5)
+    return model
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def scaling_worker(variant: str, seq_len: int, reps: int, seed: int) -> dict:
+    """One (variant, length) in this process: median step times and the peak memory above the warmed-up baseline."""
+    import resource
+
+    model = scaling_model(variant, seed)
+    vocab = model.config.vocab_size
+    warm = torch.randint(0, vocab - 1, (1, 4 * model.config.block_size), generator=torch.Generator().manual_seed(seed))
+    step(model, warm, "block", seed)  # first-call costs (thread pools, kernels) out of the baseline
+    model.zero_grad(set_to_none=True)
+    baseline = _rss_mb()
+    x0 = torch.randint(0, vocab - 1, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    walls, cpus = [], []
+    for _ in range(reps + 1):  # the first step is not timed (it sizes the allocator for this length)
+        wall, cpu, loss = step(model, x0, "block", seed)
+        walls.append(wall)
+        cpus.append(cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    return {"variant": variant, "seq_len": seq_len, "columns": 2 * seq_len - model.config.block_size,
+            "median_step_s": statistics.median(walls[1:]), "median_cpu_s": statistics.median(cpus[1:]),
+            "wall_s": walls[1:], "peak_mb": peak - baseline, "baseline_mb": baseline, "loss": loss}
+
+
+def run_scaling(args) -> dict:
+    import subprocess
+
+    results = []
+    for seq_len in args.lengths:
+        for variant in SCALING_VARIANTS:
+            cmd = [sys.executable, "-m", "eval.bench_forward", "--worker", variant, str(seq_len), "--reps",
+                   str(args.reps), "--seed", str(args.seed)] + (["--threads", str(args.threads)] if args.threads else [])
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            if out.returncode:
+                raise RuntimeError(f"{variant} at L={seq_len} failed:\n{out.stderr[-3000:]}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            logger.info("L=%d %s: %.2f s (cpu %.2f s), peak +%.0f MB", seq_len, variant, r["median_step_s"],
+                        r["median_cpu_s"], r["peak_mb"])
+            results.append(r)
+    return {"results": results, "ratios": scaling_ratios(results)}
+
+
+def scaling_ratios(results: list[dict]) -> dict:
+    """Per length: flex against sdpa (time, cpu time, memory) and hybrid against the all-softmax model (flex)."""
+    by = {(r["variant"], r["seq_len"]): r for r in results}
+    out = {}
+    for seq_len in sorted({r["seq_len"] for r in results}):
+        sdpa, flex, hybrid = (by[(v, seq_len)] for v in SCALING_VARIANTS)
+        out[seq_len] = {
+            "flex_speedup": sdpa["median_step_s"] / flex["median_step_s"],
+            "flex_cpu_speedup": sdpa["median_cpu_s"] / flex["median_cpu_s"],
+            "flex_memory_ratio": flex["peak_mb"] / sdpa["peak_mb"],
+            "hybrid_vs_softmax": hybrid["median_step_s"] / flex["median_step_s"],
+            "hybrid_vs_softmax_cpu": hybrid["median_cpu_s"] / flex["median_cpu_s"],
+        }
+    lengths = sorted(out)
+    if 1024 in lengths and 4096 in lengths:
+        h1, h4 = by[("hybrid", 1024)], by[("hybrid", 4096)]
+        out["hybrid_growth_1024_4096"] = {"time": h4["median_step_s"] / h1["median_step_s"],
+                                          "cpu_time": h4["median_cpu_s"] / h1["median_cpu_s"],
+                                          "memory": h4["peak_mb"] / h1["peak_mb"]}
+    return out
+
+
+def scaling_table(summary: dict) -> str:
+    head = (f"{'L':>5} {'columns':>7} {'variant':<7} {'step s':>7} {'cpu s':>7} {'peak MB':>8} "
+            f"{'flex/sdpa speed':>15} {'flex/sdpa mem':>13} {'hybrid/softmax':>14}")
+    lines = [head, "-" * len(head)]
+    for r in summary["results"]:
+        ratio = summary["ratios"][r["seq_len"]]
+        extra = {"flex": f"{ratio['flex_speedup']:>13.2f}x  {ratio['flex_memory_ratio']:>12.2f}",
+                 "hybrid": f"{'':>15} {'':>13} {ratio['hybrid_vs_softmax']:>13.2f}x"}.get(r["variant"], "")
+        lines.append(f"{r['seq_len']:>5} {r['columns']:>7} {r['variant']:<7} {r['median_step_s']:>7.2f} "
+                     f"{r['median_cpu_s']:>7.2f} {r['peak_mb']:>8.0f} {extra}")
+    growth = summary["ratios"].get("hybrid_growth_1024_4096")
+    if growth:
+        lines.append(f"hybrid from 1024 to 4096: time x{growth['time']:.2f} (cpu x{growth['cpu_time']:.2f}), "
+                     f"memory x{growth['memory']:.2f}")
+    return "\n".join(lines)
+
+
+def scaling_verdicts(summary: dict) -> list[str]:
+    t, ratios = SCALING_TARGETS, summary["ratios"]
+    lines = []
+    if 2048 in ratios:
+        r = ratios[2048]
+        lines.append(f"flex vs sdpa at 2048: {r['flex_speedup']:.2f}x faster (cpu {r['flex_cpu_speedup']:.2f}x; target "
+                     f">= {t['flex_speedup_2048']}x), {r['flex_memory_ratio']:.2f} of its peak memory (target <= "
+                     f"{t['flex_memory_ratio_2048']})")
+        lines.append(f"all-hybrid vs all-softmax (flex) at 2048: {r['hybrid_vs_softmax']:.2f}x the time (cpu "
+                     f"{r['hybrid_vs_softmax_cpu']:.2f}x; target <= {t['hybrid_vs_softmax_2048']}x)")
+    growth = ratios.get("hybrid_growth_1024_4096")
+    if growth:
+        lines.append(f"all-hybrid from 1024 to 4096: time x{growth['time']:.2f}, memory x{growth['memory']:.2f} "
+                     f"(target <= {t['hybrid_growth']}x each)")
+    return lines
+
+
+def scaling_plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for variant in SCALING_VARIANTS:
+        rows = [r for r in summary["results"] if r["variant"] == variant]
+        xs = [r["seq_len"] for r in rows]
+        axes[0].plot(xs, [r["median_step_s"] for r in rows], marker="o", label=variant)
+        axes[1].plot(xs, [r["peak_mb"] for r in rows], marker="o", label=variant)
+    for ax, label in zip(axes, ("fwd+bwd seconds (median)", "peak memory above baseline, MB"), strict=True):
+        ax.set(xscale="log", yscale="log", xlabel="seq_len (dual stream: 2L - 32 columns)", ylabel=label)
+        ticks = sorted({r["seq_len"] for r in summary["results"]})
+        ax.set_xticks(ticks, [str(x) for x in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"block objective, batch 1, {summary['meta']['threads']} CPU threads (indicative: shared machine)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scaling_main(args) -> dict:
+    load_start = os.getloadavg()
+    summary = run_scaling(args)
+    summary["meta"] = {"torch": torch.__version__, "threads": args.threads or torch.get_num_threads(),
+                       "cpus": os.cpu_count(), "platform": platform.platform(), "git": git_state(),
+                       "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "model": SCALING_MODEL,
+                       "variants": {k: {"attn_implementation": a, "all_hybrid": h} for k, (a, h) in SCALING_VARIANTS.items()},
+                       "memory": "max RSS of a subprocess per configuration minus its RSS after build + warm-up step",
+                       "targets": SCALING_TARGETS}
+    summary["verdicts"] = scaling_verdicts(summary)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scaling.json").write_text(json.dumps(summary, indent=2))
+    scaling_plot(summary, args.out / "scaling.png")
+    print(scaling_table(summary))
+    print("\n".join(summary["verdicts"]))
+    print(f"\nwrote {args.out / 'scaling.json'} and {args.out / 'scaling.png'} "
+          f"(load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f})")
+    return summary
+
+
 def git_state() -> dict:
     """Commit and uncommitted library files: other people edit the checkout, so say which code was measured."""
     import subprocess
@@ -329,10 +531,16 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model, L=128, 2 reps: a smoke run in seconds")
+    p.add_argument("--scaling", action="store_true", help="attention at length: sdpa vs flex, all-hybrid vs softmax")
+    p.add_argument("--worker", nargs=2, metavar=("VARIANT", "SEQ_LEN"), help=argparse.SUPPRESS)
     p.add_argument(
         "--out", type=Path, default=Path("runs/bench_forward"), help="folder for results.json and throughput.png"
     )
     args = p.parse_args(argv)
+    if args.scaling or args.worker:
+        args.lengths = args.lengths or ([256, 512] if args.quick else [512, 1024, 2048, 4096])
+        args.reps = args.reps or (1 if args.quick else 3)
+        return args
     args.lengths = args.lengths or ([128] if args.quick else [256, 1024])
     if args.batch is None:
         args.batch = [2 if args.quick else (4 if n <= 256 else 2) for n in args.lengths]
@@ -347,10 +555,15 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
-    from tqdm import tqdm
-
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.worker:
+        print(json.dumps(scaling_worker(args.worker[0], int(args.worker[1]), args.reps, args.seed)))
+        return {}
+    if args.scaling:
+        return scaling_main(args)
+    from tqdm import tqdm
+
     fields = QUICK_MODEL if args.quick else DEFAULT_MODEL
     n_layers = fields["num_hidden_layers"]
     sidecar_layers = args.sidecar_layers or list(range(1, n_layers, 4))

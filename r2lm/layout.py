@@ -49,6 +49,12 @@ class Layout:
     def length(self) -> int:
         return self.chunks.shape[-1]
 
+    @property
+    def rows(self) -> int:
+        """Rows the layout tells apart: 1 when every row of the batch has the same columns."""
+        return max(self.positions.shape[0], self.chunks.shape[0] if self.chunks.dim() == 2 else 1,
+                   1 if self.valid is None else self.valid.shape[0])
+
     # ---------------------------------------------------------------- builders
 
     @classmethod
@@ -108,36 +114,82 @@ class Layout:
 
     # ---------------------------------------------------------------- derived
 
-    def mask_parts(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(own, earlier), bool [B or 1, T, T] over this layout's columns (True = query row may see key column).
+    def mask_mod(self, kind: str, part: str = "all", pad_to: int = 1):
+        """The attention predicate, flex_attention's `mask_mod`: f(b, h, q, kv) -> True where query column q of row b
+        may see key column kv (any head h). The one definition of who sees whom: the dense masks below and the
+        block-sparse masks of r2lm.ops.flex are both evaluated from it.
 
-        own: the key is in the query's own chunk and stream (causally for `causal`); earlier: the key is clean
-        and in an earlier chunk. Softmax layers attend over their union; block-hybrid layers attend to `own` with
-        softmax and to `earlier` linearly. Padding keys are in neither; a padding query sees only itself."""
-        qp, kp = self.positions[:, :, None], self.positions[:, None, :]
-        chunks = self.chunks if self.chunks.dim() == 2 else self.chunks[None]
-        qc, kc = chunks[:, :, None], chunks[:, None, :]
-        qn, kn = self.noisy[None, :, None], self.noisy[None, None, :]
-        if kind == "bidirectional":
-            own, earlier = torch.ones_like(qp == kp), torch.zeros_like(qc == kc)
-        else:
-            own = (qc == kc) & (qn == kn)
-            if kind == "causal":
-                own = own & (kp <= qp)
-            earlier = ~kn & (kc < qc)
-        if self.valid is not None:
-            own, earlier = own & self.valid[:, None, :], earlier & self.valid[:, None, :]
-            diagonal = torch.eye(self.length, dtype=torch.bool, device=own.device)
-            own = own | (diagonal & ~self.valid[:, :, None])
-        return own, earlier
+        part: "own" (the key is in the query's own chunk and stream, causally for `causal`), "earlier" (the key is
+        clean and in an earlier chunk) or "all" (their union; what softmax layers attend over). Block-hybrid layers
+        attend to "own" with softmax and to "earlier" linearly. Padding keys are in neither; a padding query sees
+        only itself (so no row is empty: SDPA would give NaN there, flex zeros, and the two agree on every row).
+
+        The predicate indexes small per-column tables; they are padded to a multiple of `pad_to` columns, which are
+        no query's key and see nothing, so a kernel may evaluate it on the whole last tile. It broadcasts: called
+        with index tensors of shapes [B, 1, 1], [1, T, 1] and [1, 1, S] it gives the [B, T, S] mask."""
+        if part not in ("own", "earlier", "all"):
+            raise ValueError(f"unknown mask part {part!r}; expected 'own', 'earlier' or 'all'")
+        rows, pad = self.rows, -self.length % pad_to
+        real = self.valid_mask(rows)
+
+        def table(t, fill):  # [rows, T + pad]; the padding columns are no key of any query, and see nothing
+            return torch.nn.functional.pad(t.expand(rows, self.length), (0, pad), value=fill).contiguous()
+
+        stream = self.streams
+        pos, chunk = table(self.positions, 0), table(self.chunks.expand(rows, -1), -1)
+        query_stream = table(stream, -2)
+        key_stream = table(torch.where(real, stream, -1), -1)  # padding keys are in no stream
+        clean_key = table(~self.noisy & real, False)
+        padding_query = table(~real, False) if self.valid is not None else None
+
+        def row(b):  # tables shared by every row have one row, whatever batch they are applied to
+            return b if rows > 1 else 0
+
+        def own(b, h, q, kv):
+            r = row(b)
+            if kind == "bidirectional":
+                seen = key_stream[r, kv] >= 0
+            else:
+                seen = query_stream[r, q] == key_stream[r, kv]
+                if kind == "causal":
+                    seen = seen & (pos[r, kv] <= pos[r, q])
+            if padding_query is not None:
+                seen = seen | ((q == kv) & padding_query[r, q])
+            return seen
+
+        def earlier(b, h, q, kv):
+            r = row(b)
+            seen = clean_key[r, kv] & (chunk[r, kv] < chunk[r, q])
+            return seen & False if kind == "bidirectional" else seen  # bidirectional: every key is its own
+
+        def union(b, h, q, kv):
+            return own(b, h, q, kv) | earlier(b, h, q, kv)
+
+        return {"own": own, "earlier": earlier, "all": union}[part]
+
+    @property
+    def streams(self) -> torch.Tensor:
+        """long [rows, T]: each column's stream, a chunk's clean columns or its window. Outside bidirectional
+        attention a real key is in a query's own part only if it is in the query's stream."""
+        return self.chunks.expand(self.rows, -1) * 2 + self.noisy.long()
+
+    def dense_mask(self, kind: str, part: str = "all") -> torch.Tensor:
+        """The predicate evaluated on every pair: bool [B or 1, T, T] (True = query row may see key column)."""
+        cols = torch.arange(self.length, device=self.chunks.device)
+        rows = torch.arange(self.rows, device=cols.device)
+        mask = self.mask_mod(kind, part)(rows[:, None, None], None, cols[None, :, None], cols[None, None, :])
+        return mask.expand(self.rows, self.length, self.length)  # a part may not depend on every index
+
+    def mask_parts(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(own, earlier), bool [B or 1, T, T]: the two parts of the predicate (see `mask_mod`)."""
+        return self.dense_mask(kind, "own"), self.dense_mask(kind, "earlier")
 
     def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
         """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend) for softmax attention.
 
         `cached` [B, C] marks real columns already in a KV cache (clean, earlier chunks: visible to every query);
         `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
-        own, earlier = self.mask_parts(kind)
-        allowed = own | earlier
+        allowed = self.dense_mask(kind)
         if cached is not None and cached.shape[1]:
             past = cached[:, None, :].expand(-1, self.length, -1)
             allowed = torch.cat([past, allowed.expand(past.shape[0], -1, -1)], dim=2)

@@ -33,7 +33,9 @@ from transformers.utils import ModelOutput
 from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
+from r2lm.layers.hybrid import HybridParts
 from r2lm.layout import Layout
+from r2lm.ops.flex import BlockSparse, block_sparse
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,8 +46,10 @@ class ForwardPlan:
     sin: torch.Tensor
     mask: torch.Tensor | None  # softmax layers: bool (True = attend) or additive float, [B or 1, 1, T, keys]
     is_causal: bool = False  # no mask tensor: SDPA's own causal kernel (True) or no mask at all (False)
-    own: torch.Tensor | None = None  # block-hybrid layers: softmax part [B or 1, 1, T, T]
-    earlier: torch.Tensor | None = None  # block-hybrid layers: linear part [B or 1, 1, T, T]
+    block_mask: BlockSparse | None = None  # softmax layers under flex_attention (no cache): the layout's tiles
+    own: torch.Tensor | None = None  # block-hybrid layers over a cache: softmax part [B or 1, 1, T, T]
+    earlier: torch.Tensor | None = None  # block-hybrid layers over a cache: linear part [B or 1, 1, T, T]
+    hybrid: HybridParts | None = None  # block-hybrid layers without a cache: the chunked (linear-time) form
     valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
     windows: torch.Tensor | slice | None = None  # the sidecar's scope (see ReverseSidecar.forward); None: no sidecar
     columns: torch.Tensor | None = None  # with a cache: the cache columns this input's keys and values are written to
@@ -87,6 +91,16 @@ class R2LMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["R2LMDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # training and full-recompute forwards attend through the layout's BlockMask
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """`attn_implementation` of from_pretrained / the config: "flex_attention" (block-sparse attention from the
+        layout's predicate, for forwards without a cache) or "sdpa" (SDPA over the dense mask: the reference).
+        Unset: flex_attention where CUDA is available (torch's flex kernels run forward and backward there), else
+        sdpa. Forwards over a cache (prefill, denoise, commit) always use SDPA."""
+        if requested_attention is None:
+            requested_attention = "flex_attention" if _flex_on_cuda() else "sdpa"
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -137,22 +151,31 @@ class R2LMModel(R2LMPreTrainedModel):
         return R2LMModelOutput(self.norm(h) if norm else h, torch.stack(transfer) if transfer else None)
 
     def plan(self, layout: Layout, cache: KVCache | None = None, commit: int = 0, transfer: bool = False) -> ForwardPlan:
-        """The ForwardPlan of `layout`, read against `cache` when given; `commit` leading columns are appended to it."""
+        """The ForwardPlan of `layout`, read against `cache` when given; `commit` leading columns are appended to it.
+
+        Without a cache, softmax layers attend through the layout's block-sparse tiles under
+        attn_implementation="flex_attention" (r2lm.ops.flex) and through its dense mask under "sdpa" (the
+        reference), and block-hybrid layers take their linear-time chunked form; over a cache (few columns) both
+        use the dense form."""
         kind, config = self.config.attention, self.config
         if transfer and cache is not None:
             raise ValueError("attention transfer runs on a full layout, without a cache")
         # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
         plain = cache is None and layout.is_plain and not transfer
-        if len(config.hybrid_layers) == config.num_hidden_layers and not transfer:
-            mask = None
-        elif plain:
-            mask = None
-        elif cache is None:
-            mask = layout.attention_mask(kind)
-        else:
-            mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
-        own = earlier = None
-        if config.hybrid_layers:
+        # softmax layers (or, under attention transfer, the softmax teacher of every hybrid layer) need a mask
+        softmax = transfer or len(config.hybrid_layers) < config.num_hidden_layers
+        mask = blocks = None
+        if softmax and not plain:
+            if cache is not None:
+                mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
+            elif config._attn_implementation == "flex_attention":
+                blocks = block_sparse(layout, kind)
+            else:
+                mask = layout.attention_mask(kind)
+        own = earlier = hybrid = None
+        if config.hybrid_layers and cache is None:
+            hybrid = HybridParts.of(layout, kind, config.block_size)
+        elif config.hybrid_layers:
             own, earlier = (m[:, None] for m in layout.mask_parts(kind))
         cos, sin = self.rotary_emb(self.embed_tokens.weight, layout.positions)
         columns = keys = None
@@ -160,9 +183,9 @@ class R2LMModel(R2LMPreTrainedModel):
             columns = cache.columns[cache.length : cache.length + layout.length]
             keys = max(cache.length + layout.length, cache.stale_end)
         return ForwardPlan(
-            cos=cos, sin=sin, mask=mask, is_causal=plain and kind == "causal", own=own, earlier=earlier,
-            valid=layout.valid, windows=layout.windows if config.sidecar_layers else None, columns=columns,
-            keys=keys or 0, commit=commit, transfer=transfer,
+            cos=cos, sin=sin, mask=mask, is_causal=plain and kind == "causal", block_mask=blocks, own=own,
+            earlier=earlier, hybrid=hybrid, valid=layout.valid, windows=layout.windows if config.sidecar_layers else None,
+            columns=columns, keys=keys or 0, commit=commit, transfer=transfer,
         )
 
 
@@ -372,6 +395,12 @@ def _refuse_partial_load(info: dict, source, shown: int = 5) -> None:
             "checkpoint; new sidecar or block-hybrid layers are added by conversion (python -m convert from-hf / "
             "to-hybrid)"
         )
+
+
+def _flex_on_cuda() -> bool:
+    from transformers.utils import is_torch_flex_attn_available
+
+    return torch.cuda.is_available() and is_torch_flex_attn_available()
 
 
 def _ones_if_none(attention_mask, input_ids):

@@ -20,7 +20,7 @@ def test_empty_state_is_in_chunk_softmax(tied):
     q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
     own = torch.tril(torch.ones(7, 7, dtype=torch.bool))[None, None]
     no_earlier = torch.zeros_like(own)
-    out, _ = attn.linear_attention(q, k, v, own, no_earlier, attn.scaling)
+    out, _ = attn.linear_attention(q, k, v, attn.scaling, (own, no_earlier))
     torch.testing.assert_close(out, attention(q, k, v, own, attn.scaling), atol=1e-6, rtol=1e-5)
 
 
@@ -31,7 +31,7 @@ def test_linear_part_is_used():
     chunks = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     own = (chunks[:, None] == chunks[None, :])[None, None]
     earlier = (chunks[None, :] < chunks[:, None])[None, None]
-    hybrid, _ = attn.linear_attention(q, k, v, own, earlier, attn.scaling)
+    hybrid, _ = attn.linear_attention(q, k, v, attn.scaling, (own, earlier))
     softmax_only = attention(q, k, v, own, attn.scaling)
     torch.testing.assert_close(hybrid[:, :, :4], softmax_only[:, :, :4], atol=1e-6, rtol=1e-5)
     assert (hybrid[:, :, 4:] - softmax_only[:, :, 4:]).abs().max() > 1e-3

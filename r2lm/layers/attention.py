@@ -5,6 +5,7 @@ from r2lm.layers.hybrid import BlockHybridAttention
 from r2lm.layers.norm import RMSNorm
 from r2lm.layers.rotary import apply_rotary
 from r2lm.ops import attention
+from r2lm.ops.flex import flex_attention
 
 
 class Attention(nn.Module):
@@ -53,21 +54,29 @@ class Attention(nn.Module):
         mse = None
         if self.linear_attention is not None:
             state = cache.state(self.layer_idx) if cache is not None else None
+            parts = plan.hybrid if plan.hybrid is not None else (plan.own, plan.earlier)
             out, delta = self.linear_attention(
-                q, k, v, plan.own, plan.earlier, self.scaling, plan.valid, state, fold=plan.commit if cache is not None else 0
+                q, k, v, self.scaling, parts, plan.valid, state, fold=plan.commit if cache is not None else 0
             )
             if delta is not None:
                 cache.fold(self.layer_idx, *delta)
             if plan.transfer:  # the softmax teacher goes on; the hybrid student is only scored
                 with torch.no_grad():
-                    teacher = attention(q, k, v, plan.mask, self.scaling)
+                    teacher = _softmax(q, k, v, plan, self.scaling)
                 mse = _masked_mse(out, teacher, plan.valid)
                 out = teacher
         else:
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v, plan.columns, plan.keys)
-            out = attention(q, k, v, plan.mask, self.scaling, is_causal=plan.is_causal)
+            out = _softmax(q, k, v, plan, self.scaling)
         return self.o_proj(out.transpose(1, 2).flatten(2)), mse
+
+
+def _softmax(q, k, v, plan, scale):
+    """Softmax attention as the plan says: over the layout's BlockMask (flex_attention) or a dense / causal mask."""
+    if plan.block_mask is not None:
+        return flex_attention(q, k, v, plan.block_mask, scale)
+    return attention(q, k, v, plan.mask, scale, is_causal=plan.is_causal)
 
 
 def _masked_mse(student, teacher, valid):
