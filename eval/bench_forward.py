@@ -200,9 +200,9 @@ def profile_sidecar(side_model, seq_len: int, batch: int, reps: int, seed: int) 
     # Realistic intermediate values, each part then timed on its own leaf inputs.
     with torch.no_grad():
         u = h[:, windows.clamp(min=0)].reshape(n, lw, -1)
-        un = sc.norm(u).flip(1)
+        un = sc.norm(u)
         z, xbc, dt = mx.in_proj(un).split([mx.d_inner, mx.conv_dim, mx.nheads], dim=-1)
-        xbc = causal_conv1d(xbc, mx.conv1d.weight.squeeze(1), mx.conv1d.bias, activation="silu")
+        xbc = causal_conv1d(xbc, mx.conv1d.weight.squeeze(1), mx.conv1d.bias, activation="silu", reverse=True)
         x, B, C = xbc.split([mx.d_inner, mx.ngroups * mx.d_state, mx.ngroups * mx.d_state], dim=-1)
 
     def ssd():
@@ -218,6 +218,7 @@ def profile_sidecar(side_model, seq_len: int, batch: int, reps: int, seed: int) 
                 mx.chunk_size,
                 D=mx.D,
                 dt_bias=mx.dt_bias,
+                reverse=True,
             )
             .sum()
             .backward()
@@ -229,7 +230,7 @@ def profile_sidecar(side_model, seq_len: int, batch: int, reps: int, seed: int) 
         "norm (RMSNorm)": lambda: sc.norm(ul).sum().backward(),
         "in_proj": lambda: mx.in_proj(unl).sum().backward(),
         "conv1d+silu": lambda: (
-            causal_conv1d(xbcl, mx.conv1d.weight.squeeze(1), mx.conv1d.bias, "silu").sum().backward()
+            causal_conv1d(xbcl, mx.conv1d.weight.squeeze(1), mx.conv1d.bias, "silu", reverse=True).sum().backward()
         ),
         f"ssd scan (chunk_size {mx.chunk_size}, window {lw})": ssd(),
         "gated RMSNorm": lambda: mx.norm(yl, zl).sum().backward(),
@@ -237,7 +238,7 @@ def profile_sidecar(side_model, seq_len: int, batch: int, reps: int, seed: int) 
     }
     ms = {k: _timed(fn, reps) for k, fn in parts.items()}
     whole = _timed(lambda: sc(hl, windows).sum().backward(), reps)
-    ms["gather+flip+index_add (whole sidecar minus parts)"] = whole - sum(ms.values())
+    ms["gather+index_add (whole sidecar minus parts)"] = whole - sum(ms.values())
     return {
         "seq_len": seq_len,
         "batch": batch,
