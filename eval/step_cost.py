@@ -187,7 +187,7 @@ KINDS = {  # name: (variant, input columns, leading columns committed)
 def time_forwards(models: dict, batch: int, cache_len: int, repeats: int) -> dict:
     f = Forwards(models, batch, cache_len, models["r2lm"].config.vocab_size)
     times = {k: [] for k in KINDS}
-    for k, (variant, width, commit) in KINDS.items():  # warm-up (and one-time mask set-up of each shape)
+    for variant, width, commit in KINDS.values():  # warm-up (and one-time mask set-up of each shape)
         for _ in range(3):
             f.run(variant, width, commit)
     for _ in range(repeats):

@@ -16,46 +16,14 @@ their checks: r2lm.generation.options.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from transformers.utils import ModelOutput
 
 from r2lm.generation.contexts import open_context
 from r2lm.generation.options import Request, make_request
+from r2lm.generation.outputs import GenerateOutput, StepInfo
 from r2lm.generation.sampling import propose, schedule, select
 from r2lm.generation.stopping import Stopper
-
-
-@dataclass
-class GenerateOutput(ModelOutput):
-    sequences: torch.LongTensor | None = None  # [batch, prompt + new]: like transformers' generate, padded after a stop
-    nfe: int | None = None  # model forwards, prefill included
-    steps: int | None = None  # denoising steps (forwards that unmasked tokens)
-    new_tokens: int | None = None  # tokens decoded, summed over rows, up to each row's stop
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens a row accepts per denoising step, averaged over rows."""
-        return self.new_tokens / max(self.steps * self.sequences.shape[0], 1)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Tokens a row gains per model forward (prefill included), averaged over rows."""
-        return self.new_tokens / max(self.nfe * self.sequences.shape[0], 1)
-
-
-@dataclass
-class StepInfo:
-    """What a step callback sees of one denoising step: the block's generated positions [start, start + L)."""
-
-    step: int  # index of the step in the call
-    start: int
-    masked: torch.Tensor  # [B, L] positions masked before the step
-    proposals: torch.Tensor  # [B, L] the token each position would take
-    confidence: torch.Tensor  # [B, L]
-    accepted: torch.Tensor  # [B, L] positions unmasked by this step
-    logits: torch.Tensor  # [B, L, V]
+from r2lm.generation.verify import decode_verified
 
 
 @torch.no_grad()
@@ -75,11 +43,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix).
     """
     r = make_request(model, input_ids, attention_mask, generation_config, **options)
-    if r.verify:
-        from r2lm.generation.verify import decode_verified
-
-        return decode_verified(model, r)
-    return decode(model, r)
+    return decode_verified(model, r) if r.verify else decode(model, r)
 
 
 def window_columns(prompt_len: int, start: int, end: int, block_size: int, n: int, suffix: int, shift: bool) -> slice:

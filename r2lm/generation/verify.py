@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from r2lm.generation.contexts import ExactCache
+from r2lm.generation.outputs import GenerateOutput, StepInfo
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
 
@@ -48,9 +49,7 @@ def check_verifiable(config, r) -> None:
         raise ValueError("verify=True decodes with the exact cache (use_cache=True) and no suffix_ids")
 
 
-def decode_verified(model, r):
-    from r2lm.generation.decoding import GenerateOutput, StepInfo
-
+def decode_verified(model, r) -> GenerateOutput:
     ids = r.input_ids
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
     check_verifiable(model.config, r)
