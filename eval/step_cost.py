@@ -149,7 +149,7 @@ def load_variants(name: str, work: Path) -> dict:
 class Forwards:
     """One decode forward of each kind, each from the same cache state (restored after every call)."""
 
-    def __init__(self, models: dict, batch: int, cache_len: int, vocab: int):
+    def __init__(self, models: dict, batch: int, cache_len: int, vocab: int, compile: bool = False):
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab - 1, (batch, cache_len), generator=g)
         self.mask_id = models["r2lm"].config.mask_token_id
@@ -158,7 +158,7 @@ class Forwards:
             model = models[variant]
             cache = model.new_cache(batch, cache_len + 64)
             model.prefill(self.ids, cache)
-            self.readers[variant] = (WindowReader(model, cache), cache.length, cache.next_position.clone())
+            self.readers[variant] = (WindowReader(model, cache, compile=compile), cache.length, cache.next_position.clone())
         self.batch = batch
 
     def run(self, variant: str, width: int, commit: int) -> float:
@@ -184,8 +184,8 @@ KINDS = {  # name: (variant, input columns, leading columns committed)
 
 
 @torch.no_grad()
-def time_forwards(models: dict, batch: int, cache_len: int, repeats: int) -> dict:
-    f = Forwards(models, batch, cache_len, models["r2lm"].config.vocab_size)
+def time_forwards(models: dict, batch: int, cache_len: int, repeats: int, compile: bool = False) -> dict:
+    f = Forwards(models, batch, cache_len, models["r2lm"].config.vocab_size, compile)
     times = {k: [] for k in KINDS}
     for variant, width, commit in KINDS.values():  # warm-up (and one-time mask set-up of each shape)
         for _ in range(3):
@@ -194,7 +194,9 @@ def time_forwards(models: dict, batch: int, cache_len: int, repeats: int) -> dic
         for k, (variant, width, commit) in KINDS.items():
             times[k].append(f.run(variant, width, commit))
     out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    for k, (variant, width, commit) in KINDS.items():  # operations per forward
+    for k, (variant, width, commit) in KINDS.items():  # operations per forward (of the eager path)
+        if compile:
+            break
         counter = OpCounter()
         with counter:
             f.run(variant, width, commit)
@@ -273,6 +275,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32, help="AR generation length (default: %(default)s)")
     parser.add_argument("--generation-repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every forward compiled (generate(..., compile=True): torch.compile, static shapes)")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "step_cost", help="converted checkpoints")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = parser.parse_args(argv)
@@ -295,6 +299,10 @@ def main(argv=None) -> dict:
                    for padded in ((False, True) if batch > 1 else (False,))}
             entry["batches"][batch] = {"ms": ms, **derived(ms), "host_syncs_per_step": syncs,
                                        "ar_generation": {"padded" if p else "unpadded": v for p, v in gen.items()}}
+            if args.compile:
+                logger.info("%s, batch %d: compiled forwards", name, batch)
+                compiled = time_forwards(models, batch, args.cache, args.repeats, compile=True)
+                entry["batches"][batch]["compiled"] = {"ms": compiled, **derived(compiled)}
         results["models"][name] = entry
         del models
 
@@ -315,7 +323,13 @@ def print_table(results: dict) -> None:
             print(f"{name:<11}{batch:>6}" + "".join(f"{ms[k]:>11.2f}" for k in KINDS)
                   + f"{cell['denoise16_over_ar']:>9.2f}{cell['sidecar_share16']:>9.1%}"
                   + f"{cell['host_syncs_per_step']['steady_state']:>7}")
-    print("\noperations per forward")
+    for name, entry in results["models"].items():
+        for batch, cell in entry["batches"].items():
+            if "compiled" in cell:
+                c = cell["compiled"]
+                print(f"{name + '+c':<11}{batch:>6}" + "".join(f"{c['ms'][k]:>11.2f}" for k in KINDS)
+                      + f"{c['denoise16_over_ar']:>9.2f}{c['sidecar_share16']:>9.1%}")
+    print("\noperations per forward (eager)")
     for name, entry in results["models"].items():
         for batch, cell in entry["batches"].items():
             print(f"{name:<11}{batch:>6}" + "".join(f"{cell['ms'][k + '_ops']:>11}" for k in KINDS))
