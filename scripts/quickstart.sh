@@ -65,8 +65,9 @@ deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config configs/
   model="$RUN/r2lm" output_dir="$RUN/tiny_cpu" data.train="$RUN/corpus/train.txt" data.heldout="$RUN/corpus/heldout.txt"
 
 step "5/5 generate from the trained model (a 1M-parameter model after a minute of training: expect babble)"
-# sampled: greedy decoding of a model this young mostly repeats its most frequent token (a newline)
-python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7 \
+# r2lm-generate, run through python -m so that an r2lm installed before it had the command works too.
+# Sampled: greedy decoding of a model this young mostly repeats its most frequent token (a newline)
+python -m r2lm.cli.generate "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7 \
   --temperature 0.9 --seed 0
 # greedy, a batch of two left-padded prompts
-python scripts/generate.py "$RUN/tiny_cpu/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 --threshold 0.7
+python -m r2lm.cli.generate "$RUN/tiny_cpu/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 --threshold 0.7

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import tiny_hf_config
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_hf_config
-from convert.from_hf import convert_from_hf
 from r2lm import R2LMForDiffusionLM
+from r2lm.convert.from_hf import convert_from_hf
 
 
 def _hf_model(arch, tmp_path, **overrides):

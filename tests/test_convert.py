@@ -6,13 +6,13 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_hf_config, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import tiny_hf_config, tiny_tokenizer
-from convert.__main__ import main
-from convert.from_hf import convert_from_hf
 from r2lm import R2LMForDiffusionLM
+from r2lm.convert.__main__ import main
+from r2lm.convert.from_hf import convert_from_hf
 
 
 @pytest.fixture
@@ -128,9 +128,8 @@ def test_help_lists_the_options():
 def test_to_hf_round_trip(arch, tmp_path):
     """from-hf then to-hf gives back a transformers model with the same logits (an R2LM without extra layers is
     its backbone); the mask row added by from-hf stays in the vocabulary."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import tiny_hf_config
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).eval()
@@ -149,7 +148,7 @@ def test_to_hf_refuses_extra_layers(tmp_path):
 
     tiny_r2lm(sidecar_layers=[1]).save_pretrained(tmp_path / "r2lm")
     with pytest.raises(ValueError, match="no transformers counterpart"):
-        from convert.to_hf import convert_to_hf
+        from r2lm.convert.to_hf import convert_to_hf
 
         convert_to_hf(tmp_path / "r2lm", tmp_path / "out")
     assert not (tmp_path / "out").exists()

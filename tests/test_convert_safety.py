@@ -25,11 +25,17 @@ from test_merge_lora import make_adapter
 from test_train_helpers import REPO, make_model_dir, run_inprocess, run_overrides, training_inputs
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from convert.__main__ import main
-from convert.checkpoint import MANIFEST
-from convert.deepspeed_to_hf import parameter_bytes
-from convert.from_hf import convert_from_hf
 from r2lm import R2LMConfig
+from r2lm.checkpoints import (
+    LEGACY_MANIFEST,
+    MANIFEST,
+    DamagedCheckpointError,
+    parameter_bytes,
+    read_manifest,
+    verify_checkpoint,
+)
+from r2lm.convert.__main__ import main
+from r2lm.convert.from_hf import convert_from_hf
 
 SIDECAR = ["--sidecar-layers", "1", "--headdim", "16", "--d-state", "8"]
 
@@ -239,17 +245,17 @@ def test_overwrite_replaces_only_what_a_conversion_wrote(qwen3_src, tmp_path, ca
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     assert main([*convert, str(mine), "--overwrite"]) == 2
-    assert f"has no {MANIFEST}: it was not written by a conversion" in capsys.readouterr().err
+    assert f"has no {MANIFEST} (nor an older {LEGACY_MANIFEST}): it was not written by r2lm" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
     out = tmp_path / "out"
     assert main([*convert, str(out)]) == 0
-    listed = json.loads((out / MANIFEST).read_text())["files"]
+    listed = read_manifest(out)
     assert sorted(listed) == sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
     assert "model.safetensors" in listed and "tokenizer.json" in listed
     (out / "notes.txt").write_text("added later")
     assert main([*convert, str(out), "--overwrite"]) == 2
-    assert "holds files a conversion did not write (notes.txt)" in capsys.readouterr().err
+    assert "holds files r2lm did not write (notes.txt)" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "added later"
     (out / "notes.txt").unlink()
     assert main([*convert, str(out), *SIDECAR, "--overwrite"]) == 0  # an earlier output alone is replaced
@@ -259,6 +265,44 @@ def test_overwrite_replaces_only_what_a_conversion_wrote(qwen3_src, tmp_path, ca
     empty.mkdir()
     assert main([*convert, str(empty), "--overwrite"]) == 0 and (empty / "model.safetensors").is_file()
     assert hidden(tmp_path) == []
+
+
+def as_written_before_checksums(folder: Path) -> None:
+    """`folder`, a conversion's output, as conversions wrote it before checksums.sha256: its files listed by name in
+    r2lm_manifest.json."""
+    names = sorted(read_manifest(folder))
+    (folder / MANIFEST).unlink()
+    (folder / LEGACY_MANIFEST).write_text(json.dumps({"files": names}))
+
+
+def test_an_older_conversions_output_can_still_be_overwritten(qwen3_src, tmp_path, capsys):
+    convert = ["from-hf", str(qwen3_src)]
+    out = tmp_path / "out"
+    assert main([*convert, str(out)]) == 0
+    as_written_before_checksums(out)
+    (out / "notes.txt").write_text("added later")
+    assert main([*convert, str(out), "--overwrite"]) == 2
+    assert "holds files r2lm did not write (notes.txt)" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    assert main([*convert, str(out), *SIDECAR, "--overwrite"]) == 0
+    assert (out / MANIFEST).is_file() and not (out / LEGACY_MANIFEST).exists()  # rewritten in the one format
+    assert R2LMConfig.from_pretrained(out).sidecar_layers == [1]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_output_lists_its_files_with_their_checksums(command, request, tmp_path):
+    """One manifest for every folder r2lm writes: sha256sum format, every file, checked by verify_checkpoint."""
+    out = tmp_path / "out"
+    assert main(conversion(command, request).argv(out)) == 0
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    assert sorted(read_manifest(out)) == written
+    check = subprocess.run(["sha256sum", "--check", "--quiet", MANIFEST], cwd=out, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert verify_checkpoint(out) is True
+    with open(out / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(DamagedCheckpointError, match=r"out: config.json is damaged"):
+        verify_checkpoint(out)
 
 
 def test_a_file_as_dst_is_kept_and_leaves_no_old_copy(qwen3_src, tmp_path, capsys):
@@ -310,6 +354,35 @@ def test_full_destination_is_reported_before_any_work(qwen3_src, tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"not enough space for DST {tmp_path / 'out'}: {tmp_path} has ")):
         convert_from_hf(src, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def flip_bytes(path: Path) -> None:
+    """Silent corruption: four bytes inside the tensor data of a torch file (not its zip directory) changed."""
+    data = bytearray(path.read_bytes())
+    at = len(data) * 3 // 5
+    data[at : at + 4] = bytes(b ^ 0x5A for b in data[at : at + 4])
+    path.write_bytes(bytes(data))
+
+
+def test_deepspeed_export_refuses_a_damaged_checkpoint(run_src, tmp_path, capsys):
+    """Issue 14 item 6: deepspeed-to-hf verifies the checkpoint's manifest before it exports, as resume does."""
+    run = Path(shutil.copytree(run_src, tmp_path / "run"))
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # the fp32 master weights the export reassembles
+    flip_bytes(checkpoint_of(run) / shard)
+    out = tmp_path / "out"
+    assert main(["deepspeed-to-hf", str(run), str(out)]) == 2
+    assert f"checkpoint {checkpoint_of(run)}: {shard} is damaged" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written, no temporary left
+
+
+def test_deepspeed_export_of_a_checkpoint_without_manifest_warns(run_src, tmp_path, caplog):
+    run = Path(shutil.copytree(run_src, tmp_path / "run"))
+    (checkpoint_of(run) / MANIFEST).unlink()  # as written by an older r2lm
+    with caplog.at_level(logging.WARNING):
+        assert main(["deepspeed-to-hf", str(run), str(tmp_path / "out")]) == 0
+    assert any(f"{checkpoint_of(run)} has no {MANIFEST}" in r.getMessage() and "cannot be verified" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    assert verify_checkpoint(tmp_path / "out") is True
 
 
 def test_deepspeed_export_size_is_known_before_reassembly(run_src, tmp_path):
@@ -390,7 +463,7 @@ def pause_before_committing(event, args):
         time.sleep(300)
 
 sys.addaudithook(pause_before_committing)
-from convert.__main__ import main
+from r2lm.convert.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -83,7 +83,7 @@ def test_forward_refuses_what_it_does_not_use():
 def test_labels_give_the_transformers_causal_lm_loss(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from convert.from_hf import convert_from_hf
+    from r2lm.convert.from_hf import convert_from_hf
 
     torch.manual_seed(0)
     hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -299,8 +299,8 @@ def test_int32_ids_work():
 def test_converters_write_the_decoding_options(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from convert.from_hf import convert_from_hf
-    from convert.to_hybrid import convert_to_hybrid
+    from r2lm.convert.from_hf import convert_from_hf
+    from r2lm.convert.to_hybrid import convert_to_hybrid
 
     hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=3))

@@ -134,7 +134,7 @@ def hf_and_r2lm(tmp_path):
     """A tiny transformers Qwen3 with a tokenizer (with a BOS or not) and its R2LM conversion (same weights)."""
     from transformers import AutoModelForCausalLM
 
-    from convert.from_hf import convert_from_hf
+    from r2lm.convert.from_hf import convert_from_hf
 
     def make(bos: bool):
         tok = tiny_tokenizer()

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from conftest import tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
-from convert.__main__ import build_parser, main
-from convert.importers import import_checkpoint, llada2_config, llada_config
 from r2lm import R2LMForDiffusionLM
+from r2lm.convert.__main__ import build_parser, main
+from r2lm.convert.importers import import_checkpoint, llada2_config, llada_config
 
 VOCAB = 100
 HIDDEN, INTER, LAYERS, HEADS = 64, 128, 3, 4
@@ -444,7 +444,7 @@ def test_remote_code_tokenizer_is_copied_verbatim(tmp_path, caplog):
     config.update(tokenizer_class="LLaDATokenizer", auto_map={"AutoTokenizer": ["tokenization_llada.LLaDATokenizer", None]})
     (src / "tokenizer_config.json").write_text(json.dumps(config))
     (src / "tokenization_llada.py").write_text("raise ImportError('remote code must not run')\n")
-    with caplog.at_level(logging.WARNING, logger="convert.importers"):
+    with caplog.at_level(logging.WARNING, logger="r2lm.convert.importers"):
         import_checkpoint("llada", src, tmp_path / "out")
     assert "needs remote code" in caplog.text and "copying its tokenizer files verbatim" in caplog.text
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenization_llada.py"):
@@ -455,7 +455,7 @@ def test_unloadable_tokenizer_is_copied_verbatim(tmp_path, caplog):
     src = llada2_checkpoint(tmp_path / "llada2")[0]
     (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (src / "tokenizer.json").write_text("{not a tokenizer")
-    with caplog.at_level(logging.WARNING, logger="convert.importers"):
+    with caplog.at_level(logging.WARNING, logger="r2lm.convert.importers"):
         import_checkpoint("llada2", src, tmp_path / "out", mask_token_id=98)
     assert "cannot load the tokenizer" in caplog.text
     for name in ("tokenizer.json", "tokenizer_config.json"):

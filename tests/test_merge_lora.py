@@ -8,9 +8,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_train_helpers import make_model_dir
 
-from convert.__main__ import main
-from convert.merge_lora import merge_lora
 from r2lm import R2LMForDiffusionLM
+from r2lm.convert.__main__ import main
+from r2lm.convert.merge_lora import merge_lora
 from r2lm.diffusion import block_noise, noised_dual_stream
 
 HYBRID = dict(attention="block_causal", prediction="inplace", hybrid_layers=[0, 2], hybrid_feature_dim=8)

@@ -1,21 +1,17 @@
-"""Issue 14 (a careless user): loading, the prefix cache, scripts/generate.py and the lm-eval adapter refuse bad
+"""Issue 14 (a careless user): loading, the prefix cache, r2lm-generate and the lm-eval adapter refuse bad
 input clearly and leave nothing behind."""
 
 import json
 import re
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MASK_ID, VOCAB, tiny_r2lm, tiny_r2lm_config
+
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.cache import weight_fingerprint
+from r2lm.cli.generate import main as generate_cli
 from r2lm.prefix import PrefixCache
-
-REPO = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------ item 7: strict loading
 
@@ -146,16 +142,15 @@ def test_a_request_that_fails_in_prefill_leaves_no_block_pinned(failure):
     assert cache.stats.hit_tokens == hits + 32
 
 
-# ------------------------------------------------------------------- item 15: scripts/generate.py on a bad path
+# ------------------------------------------------------------------- item 15: r2lm-generate on a bad path
 
 
 @pytest.mark.parametrize("make,message", [
     (lambda tmp: tmp / "missing", "missing: no such checkpoint folder"),
     (lambda tmp: tmp, "is not a checkpoint folder: it has no config.json"),
 ])
-def test_generate_script_names_a_bad_checkpoint_path(tmp_path, make, message, monkeypatch, capsys):
+def test_generate_script_names_a_bad_checkpoint_path(tmp_path, make, message, capsys):
     """Before: transformers' "Repo id must be in the form ..." traceback (exit status 1)."""
-    monkeypatch.setattr(sys, "argv", ["generate.py", str(make(tmp_path)), "--prompt", "The"])
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(REPO / "scripts" / "generate.py"), run_name="__main__")
+        generate_cli([str(make(tmp_path)), "--prompt", "The"])
     assert exit_.value.code == 2 and message in capsys.readouterr().err

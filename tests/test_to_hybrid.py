@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import MASK_ID, tiny_r2lm
 from safetensors.torch import load_file, save_file
 
-from conftest import MASK_ID, tiny_r2lm
-from convert.__main__ import main
-from convert.to_hybrid import convert_to_hybrid
 from r2lm import Layout, R2LMForDiffusionLM
+from r2lm.convert.__main__ import main
+from r2lm.convert.to_hybrid import convert_to_hybrid
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from test_train_helpers import REPO, free_port, python, run_cli, training_inputs
 from test_train_helpers import run_overrides as overrides
 
 from r2lm import R2LMForDiffusionLM
+from r2lm.checkpoints import complete_checkpoints, read_state
 from r2lm.diffusion import compute_loss
-from train.checkpointing import complete_checkpoints, read_state
 from train.config import load_config
 from train.data import build_data
 from train.pretrain import noise_seed

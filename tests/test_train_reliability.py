@@ -19,8 +19,8 @@ from test_train_helpers import REPO, free_port, run_cli, run_inprocess, training
 from test_train_helpers import run_overrides as overrides
 
 import train.pretrain
-from train.checkpointing import (
-    MANIFEST_FILE,
+from r2lm.checkpoints import (
+    MANIFEST,
     DamagedCheckpointError,
     complete_checkpoints,
     read_state,
@@ -188,18 +188,18 @@ def test_damaged_checkpoint_named_by_resume_is_refused(checkpointed, inputs, tmp
 def test_checkpoint_without_manifest_resumes_with_a_warning(checkpointed, inputs, tmp_path, caplog):
     full, part = checkpointed
     out = copy_run(part, tmp_path / "run")
-    (out / "checkpoints" / "step-00000004" / MANIFEST_FILE).unlink()  # as written by an older r2lm
+    (out / "checkpoints" / "step-00000004" / MANIFEST).unlink()  # as written by an older r2lm
     run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0"))
-    assert any(f"step-00000004 has no {MANIFEST_FILE}" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert any(f"step-00000004 has no {MANIFEST}" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert history(out) == history(full)
 
 
 def test_manifest_covers_every_file_in_sha256sum_format(checkpointed, tmp_path):
     _, part = checkpointed
     ckpt = shutil.copytree(part / "checkpoints" / "step-00000004", tmp_path / "step-00000004")
-    listed = {line.split("  ", 1)[1] for line in (ckpt / MANIFEST_FILE).read_text().splitlines()}
-    assert listed == {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()} - {MANIFEST_FILE}
-    check = subprocess.run(["sha256sum", "--check", "--quiet", MANIFEST_FILE], cwd=ckpt, capture_output=True, text=True)
+    listed = {line.split("  ", 1)[1] for line in (ckpt / MANIFEST).read_text().splitlines()}
+    assert listed == {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()} - {MANIFEST}
+    check = subprocess.run(["sha256sum", "--check", "--quiet", MANIFEST], cwd=ckpt, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert verify_checkpoint(ckpt) is True
     (ckpt / "config.json").unlink()
@@ -342,6 +342,6 @@ def test_run_files_follow_the_umask(inputs, tmp_path, umask):
              if name not in scripts and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~umask}
     assert not wrong
     for name in [LOCK_FILE, "config.yaml", "train.log", "metrics.jsonl", "checkpoints/latest",
-                 f"checkpoints/step-00000002/{MANIFEST_FILE}", "checkpoints/step-00000002/trainer_state.json",
+                 f"checkpoints/step-00000002/{MANIFEST}", "checkpoints/step-00000002/trainer_state.json",
                  "checkpoints/step-00000002/mp_rank_00_model_states.pt", "final/adapter_model.safetensors"]:
         assert name in written, name

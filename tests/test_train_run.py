@@ -11,9 +11,9 @@ import torch
 from test_train_helpers import run_inprocess, training_inputs
 from test_train_helpers import run_overrides as overrides
 
-from convert.__main__ import main as convert_main
 from r2lm import R2LMForDiffusionLM
-from train.checkpointing import complete_checkpoints, read_state
+from r2lm.checkpoints import complete_checkpoints, read_state
+from r2lm.convert.__main__ import main as convert_main
 from train.pretrain import NonFiniteLossError
 from train.tracking import read_metrics
 

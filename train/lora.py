@@ -83,10 +83,8 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
     adapter into that base then gives exactly the trained model."""
     from peft import LoraConfig, get_peft_model
 
-    from convert.checkpoint import atomic_output_dir
-    from convert.deepspeed_to_hf import load_fp32_state_dict, resolve_checkpoint
     from r2lm import R2LMForDiffusionLM
-    from train.checkpointing import apply_umask, verify_checkpoint
+    from r2lm.checkpoints import atomic_output_dir, load_fp32_state_dict, resolve_checkpoint, verify_checkpoint
 
     root, tag = resolve_checkpoint(ckpt)
     folder = root / tag
@@ -107,8 +105,7 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
                          "against the checkpoint the run started from")
     model.load_state_dict(state, strict=False)
     model.to(dtype)
-    with atomic_output_dir(dst, overwrite) as tmp:
+    with atomic_output_dir(dst, overwrite) as tmp:  # sealed: the umask's permissions (peft writes 0600), manifest
         model.save_pretrained(str(tmp))
-        apply_umask(tmp)  # peft writes adapter_model.safetensors 0600
     logger.info("exported the LoRA adapter of %s -> %s (merge: python -m convert merge-lora %s %s DST)", folder, dst, base_dir, dst)
     return Path(dst)

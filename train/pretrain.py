@@ -12,7 +12,7 @@ the training config, so one YAML describes the run.
 
 Run folder (`output_dir`): run.lock (one run at a time, train/lock.py), config.yaml (resolved config), train.log,
 metrics.jsonl (one line per step and per evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints
-with a checksum manifest, see train/checkpointing.py) and final/ (HF-format R2LM folder written at the end).
+with a checksum manifest, see r2lm/checkpoints/training.py) and final/ (HF-format R2LM folder written at the end).
 Nothing is written there before the config and the data pass their checks. With resume=auto a rerun continues
 from the newest intact checkpoint and reproduces the uninterrupted run's losses exactly (same world size and
 settings: check_resume).
@@ -154,8 +154,8 @@ def validate(cfg: TrainConfig) -> Plan:
     from transformers import AutoTokenizer
 
     from r2lm import R2LMConfig
+    from r2lm.checkpoints import DamagedCheckpointError
     from r2lm.diffusion import check_objective
-    from train.checkpointing import DamagedCheckpointError
     from train.data import resolve_source
 
     model_dir = resolve_path(cfg.model)
@@ -218,7 +218,7 @@ def validate(cfg: TrainConfig) -> Plan:
 
 def resume_candidates(cfg: TrainConfig) -> list[Path]:
     """The checkpoints `cfg.resume` allows this run to continue from, newest first."""
-    from train.checkpointing import complete_checkpoints, read_state
+    from r2lm.checkpoints import complete_checkpoints, read_state
 
     ckpt_root = Path(cfg.output_dir) / "checkpoints"
     if cfg.resume == "auto":
@@ -237,7 +237,7 @@ def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
     size, another model, or a changed setting that the optimizer, schedule, data or noise state depends on (the
     checkpoint's state would silently win over the new value). Settings that do not change what is computed
     (logging, evaluation and checkpoint frequency, export ...: `resume_may_change` in train/config.py) may change."""
-    from train.checkpointing import read_state
+    from r2lm.checkpoints import read_state
     from train.config import resume_conflicts
 
     state = read_state(checkpoint)
@@ -427,7 +427,7 @@ def rank0_decides(decide, rank: int, dist, share: bool = True):
 def choose_checkpoint(cfg: TrainConfig, plan: Plan) -> str | None:
     """The checkpoint to continue from: the newest candidate whose files match their manifest (with resume=auto a
     damaged one is skipped with a warning for the previous one, which must fit this run as well)."""
-    from train.checkpointing import first_intact
+    from r2lm.checkpoints import first_intact
 
     if not plan.resume_candidates:
         return None
@@ -634,7 +634,7 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
         if rank == 0 and cfg.lora.enabled:  # the adapter alone; python -m convert merge-lora merges it
             export_adapter(last_ckpt, export_dir, model_dir, dtype=getattr(torch, export_dtype), overwrite=True)
         elif rank == 0:
-            from convert.deepspeed_to_hf import export_deepspeed_checkpoint
+            from r2lm.checkpoints import export_deepspeed_checkpoint
 
             export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True)
         dist.barrier()

@@ -1,16 +1,15 @@
-"""Checkpoint I/O shared by the converters: reading safetensors folders, checking DST, writing it atomically.
+"""Writing a checkpoint folder: the checks on its destination, then an atomic write.
 
-An output folder is written into a temporary folder beside it, `.DST.tmp-PID-TOKEN@HOST` (the writer's process and
-host: a later run removes the leftovers of a writer that was killed, never those of a live one), which gets a
-manifest (MANIFEST, the files written) and is renamed to DST when complete. --overwrite replaces only a folder
-with such a manifest and nothing else in it, or an empty folder: a conversion never deletes what it did not write.
+A folder is written into a temporary folder beside it, `.DST.tmp-PID-TOKEN@HOST` (the writer's process and host: a
+later writer removes the leftovers of one that was killed, never those of a live one), which is sealed (the umask's
+permissions, the manifest listing every file with its sha256: r2lm.checkpoints.manifest) and renamed to DST when
+complete. --overwrite replaces only a folder with such a manifest and nothing else in it, or an empty folder: r2lm
+never deletes what it did not write, and never replaces a training run or checkpoint folder.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import json
 import logging
 import os
 import re
@@ -20,94 +19,16 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
+from r2lm.checkpoints.hf import copy_tokenizer_files, weight_files
+from r2lm.checkpoints.manifest import LEGACY_MANIFEST, MANIFEST, listed_files, seal
+from r2lm.checkpoints.training import training_files
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
-TOKENIZER_GLOBS = ("tokenization_*.py", "*.tiktoken")
-
-MANIFEST = "r2lm_manifest.json"
-OVERWRITE_HELP = "replace DST if it is an earlier conversion's output (it has an r2lm_manifest.json) or empty"
-
-# What train/pretrain.py leaves in a run folder (config.yaml, train.log, metrics.jsonl, wandb/, checkpoints/,
-# attention_transfer.json) and train/checkpointing.py in checkpoints/ (latest, step-N/, DeepSpeed's zero_to_*.py)
-# and in each checkpoint (DeepSpeed shards, trainer_state.json). A folder holding any of them is never a DST.
-TRAINING_MARKERS = (
-    "config.yaml", "train.log", "metrics.jsonl", "wandb", "checkpoints", "attention_transfer.json",
-    "latest", "step-*", ".tmp-step-*", "zero_to_fp32.py",
-    "trainer_state.json", "*mp_rank_*_model_states.pt", "*optim_states.pt",
-)
+OVERWRITE_HELP = f"replace DST if it is an earlier conversion's output (it has a {MANIFEST}) or empty"
 
 _HOST = socket.gethostname()
 _PRIVATE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}@(?P<host>[^@]+)")
-
-
-def read_config(src: Path) -> dict:
-    path = Path(src) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{src} is not a checkpoint folder: it has no config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-
-
-def weight_files(src: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder (sharded: the ones its index names); [] when it has none."""
-    src = Path(src)
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return [src / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index} is not a safetensors index (a JSON weight_map): {err!r}") from None
-    return [src / "model.safetensors"] if (src / "model.safetensors").is_file() else []
-
-
-def read_state_dict(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint folder, single file or sharded (model.safetensors.index.json)."""
-    files = weight_files(src)
-    if not files:
-        raise ValueError(f"{src} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
-    state = {}
-    for path in files:
-        try:
-            state.update(load_file(path))
-        except Exception as err:
-            raise ValueError(f"cannot read {path}: {err}") from err
-    check_finite(state, src)
-    return state
-
-
-def check_finite(tensors: dict[str, torch.Tensor], source) -> None:
-    """Refuse NaN / inf weights (a diverged or corrupt checkpoint), naming the tensors.
-
-    A sum per tensor is one cheap pass (30x faster than isfinite().all() in fp32); it is non-finite when an element
-    is, or when the sum overflows, which the exact check then rules out."""
-    bad = [
-        name for name, t in tensors.items()
-        if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()
-    ]
-    if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise ValueError(
-            f"{source} has NaN or inf weights in {len(bad)} tensor(s): {', '.join(bad[:5])}{more}; the checkpoint is "
-            "corrupt or its training diverged: convert an earlier checkpoint"
-        )
-
-
-@contextlib.contextmanager
-def seeded(seed: int):
-    """New parameters (sidecars, feature maps) initialised from `seed`, so that the same conversion gives the same
-    bits; the caller's random state is left as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 # ----------------------------------------------------------------------------------------------- DST checks
@@ -144,13 +65,13 @@ def _overlap(dst: Path, src: Path) -> str | None:
 
 
 def check_replaceable(dst: Path, overwrite: bool) -> None:
-    """Refuse an existing `dst` unless --overwrite is given and replacing it deletes only what a conversion wrote
-    (a folder holding its manifest and the files listed there) or nothing (an empty folder)."""
+    """Refuse an existing `dst` unless --overwrite is given and replacing it deletes only what r2lm wrote (a folder
+    holding its manifest and the files listed there) or nothing (an empty folder)."""
     dst = Path(dst)
     if not os.path.lexists(dst):
         return
     if dst.is_dir() and not dst.is_symlink():
-        found = sorted(p.name for p in dst.iterdir() if any(fnmatch.fnmatch(p.name, m) for m in TRAINING_MARKERS))
+        found = training_files(dst)
         if found:
             raise ValueError(
                 f"DST {dst} is a training run or checkpoint folder (it holds {', '.join(found[:4])}); a conversion "
@@ -159,32 +80,32 @@ def check_replaceable(dst: Path, overwrite: bool) -> None:
     why = _not_written_by_us(dst)
     if why:
         raise ValueError(
-            f"DST {dst} already exists and {why}; --overwrite replaces only an empty folder or one a conversion "
-            f"wrote (with its {MANIFEST}), so nothing else is ever deleted: move it away or choose another DST"
+            f"DST {dst} already exists and {why}; --overwrite replaces only an empty folder or one r2lm wrote "
+            f"(with its {MANIFEST}), so nothing else is ever deleted: move it away or choose another DST"
         )
     if not overwrite:
         raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
 
 
 def _not_written_by_us(dst: Path) -> str | None:
-    """Why replacing the existing `dst` could delete something a conversion did not write; None if it cannot."""
+    """Why replacing the existing `dst` could delete something r2lm did not write; None if it cannot."""
     if dst.is_symlink():
         return "is a symbolic link"
     if not dst.is_dir():
         return "is a file, not a folder"
     if next(dst.iterdir(), None) is None:
         return None
-    if not (dst / MANIFEST).is_file():  # before walking it: DST may be a home folder
-        return f"has no {MANIFEST}: it was not written by a conversion"
-    present = {str(p.relative_to(dst)) for p in dst.rglob("*") if not p.is_dir() or p.is_symlink()}
     try:
-        listed = set(json.loads((dst / MANIFEST).read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"has an unreadable {MANIFEST} ({err!r})"
-    extra = sorted(present - listed - {MANIFEST})
+        listed = listed_files(dst)  # before walking it: DST may be a home folder
+    except ValueError as err:
+        return f"has a manifest that cannot be read ({err})"
+    if listed is None:
+        return f"has no {MANIFEST} (nor an older {LEGACY_MANIFEST}): it was not written by r2lm"
+    present = {str(p.relative_to(dst)) for p in dst.rglob("*") if not p.is_dir() or p.is_symlink()}
+    extra = sorted(present - listed - {MANIFEST, LEGACY_MANIFEST})
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        return f"holds files a conversion did not write ({', '.join(extra[:5])}{more})"
+        return f"holds files r2lm did not write ({', '.join(extra[:5])}{more})"
     return None
 
 
@@ -221,20 +142,6 @@ def _size(n: float) -> str:
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def has_tokenizer(src: Path) -> bool:
-    return any((Path(src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
-def copy_tokenizer_files(src: Path, dst: Path) -> None:
-    """The tokenizer files of `src`, verbatim (remote-code tokenizers included: nothing is loaded or run)."""
-    src, dst = Path(src), Path(dst)
-    names = {n for n in TOKENIZER_FILES if (src / n).is_file()}
-    for pattern in TOKENIZER_GLOBS:
-        names |= {p.name for p in src.glob(pattern) if p.is_file()}
-    for name in sorted(names):
-        shutil.copy(src / name, dst / name)
-
-
 def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, tokenizer=None) -> None:
     """`model.save_pretrained` into `dst`, atomically, with `tokenizer` (default: the tokenizer files of `src`, if
     any) and a generation_config.json: for an R2LM, `src`'s (if any) with the decoding defaults that
@@ -262,8 +169,8 @@ def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, token
 
 @contextlib.contextmanager
 def atomic_output_dir(dst: Path, overwrite: bool = False):
-    """Yield a temporary folder beside `dst`; on success seal it (manifest, permissions) and rename it to `dst`, on
-    failure (SIGTERM included, see convert/__main__.py) remove it.
+    """Yield a temporary folder beside `dst`; on success seal it (permissions, manifest) and rename it to `dst`, on
+    failure (SIGTERM included, see r2lm/convert/__main__.py) remove it.
 
     Readers never see a half-written `dst`: it either does not exist, is the old folder, or is complete."""
     dst = Path(os.path.abspath(dst))
@@ -274,7 +181,7 @@ def atomic_output_dir(dst: Path, overwrite: bool = False):
     try:
         tmp.mkdir()
         yield tmp
-        _seal(tmp)
+        seal(tmp)
         _swap_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -285,25 +192,6 @@ def atomic_output_dir(dst: Path, overwrite: bool = False):
 def _private_path(dst: Path, kind: str) -> Path:
     """A hidden name beside `dst` for this process's temporary (kind "tmp") or replaced ("old") folder."""
     return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}@{_HOST}")
-
-
-def _seal(folder: Path) -> None:
-    """Give what was written the permissions a plain open() / mkdir gives under the umask (save_pretrained's files
-    come out private, 0600, from tempfile), and list it in the manifest."""
-    umask = os.umask(0)
-    os.umask(umask)
-    files = []
-    for root, dirs, names in os.walk(folder):
-        for name in dirs + names:
-            path = Path(root) / name
-            if path.is_symlink():
-                continue
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-            if not path.is_dir():
-                files.append(str(path.relative_to(folder)))
-    manifest = {"about": "files written by python -m convert; --overwrite replaces this folder only while it holds "
-                "nothing else", "files": sorted(files)}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _swap_into_place(tmp: Path, dst: Path) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from convert.checkpoint import check_destination, read_config, read_state_dict, seeded, write_checkpoint
-from convert.from_hf import load_backbone
 from r2lm import R2LMConfig, R2LMForDiffusionLM
+from r2lm.checkpoints import check_destination, read_config, read_state_dict, write_checkpoint
+from r2lm.convert.from_hf import load_backbone, seeded
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def convert_to_hybrid(src, dst, layers, feature_dim: int | None = None, tie_feat
     src = Path(src)
     dst = check_destination(dst, [src], overwrite)
     if read_config(src).get("model_type") != "r2lm":
-        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
+        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (r2lm-convert from-hf ...)")
     config = R2LMConfig.from_pretrained(src)
     layers = list(layers)
     if not layers:

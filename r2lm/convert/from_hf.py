@@ -7,14 +7,15 @@ embeddings when the vocabulary has none.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from convert.checkpoint import check_destination, has_tokenizer, read_config, read_state_dict, seeded, write_checkpoint
 from r2lm import R2LMConfig, R2LMForDiffusionLM
+from r2lm.checkpoints import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,15 @@ def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
         dtype=hf_config.dtype,
         **diffusion,
     )
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """New parameters (sidecars, feature maps) initialised from `seed`, so that the same conversion gives the same
+    bits; the caller's random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def is_sidecar_weight(name: str) -> bool:

@@ -1,6 +1,6 @@
 """R2LM checkpoint + peft LoRA adapter -> one merged R2LM checkpoint (DESIGN 7: "merge on export").
 
-    python -m convert merge-lora SRC ADAPTER DST [--dtype bfloat16] [--overwrite]
+    r2lm-convert merge-lora SRC ADAPTER DST [--dtype bfloat16] [--overwrite]
 
 SRC is the checkpoint the adapter was trained on (for hybrid conversion: stage 1's export), ADAPTER a peft folder
 (adapter_config.json + adapter_model.safetensors, e.g. the final/ of a `lora.enabled` run of train/pretrain.py).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import check_destination, check_finite, read_config, write_checkpoint
+from r2lm.checkpoints import check_destination, check_finite, read_config, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,12 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def read_adapter(adapter: Path):
     """(LoraConfig, weights) of a peft adapter folder. Raises ValueError."""
-    from peft import LoraConfig, PeftType
     from safetensors.torch import load_file
+
+    try:
+        from peft import LoraConfig, PeftType
+    except ImportError as err:
+        raise ValueError(f"merge-lora needs peft (pip install 'r2lm[train]'): {err}") from None
 
     if not (adapter / ADAPTER_CONFIG).is_file():
         raise ValueError(f"{adapter} is not a peft adapter folder: it has no {ADAPTER_CONFIG}")
@@ -90,7 +94,7 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
     src, adapter = Path(src), Path(adapter)
     dst = check_destination(dst, [src, adapter], overwrite)
     if read_config(src).get("model_type") != "r2lm":
-        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (python -m convert from-hf ...)")
+        raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (r2lm-convert from-hf ...)")
     config, weights = read_adapter(adapter)
     base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
     check_finite(base.state_dict(), src)

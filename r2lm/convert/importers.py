@@ -1,8 +1,8 @@
 """Importers of pretrained diffusion-LM checkpoints into R2LM checkpoints (DESIGN section 7).
 
-    python -m convert from-llada  SRC DST     LLaDA 1 (OLMo-style layout)      -> bidirectional, inplace
-    python -m convert from-dream  SRC DST     Dream (Qwen2 layout, q/k/v bias) -> bidirectional, shift
-    python -m convert from-llada2 SRC DST     LLaDA 2.x, dense layers only     -> block_causal, inplace
+    r2lm-convert from-llada  SRC DST     LLaDA 1 (OLMo-style layout)      -> bidirectional, inplace
+    r2lm-convert from-dream  SRC DST     Dream (Qwen2 layout, q/k/v bias) -> bidirectional, shift
+    r2lm-convert from-llada2 SRC DST     LLaDA 2.x, dense layers only     -> block_causal, inplace
 
 Each importer reads config.json and the safetensors weights of SRC (never modifying it), maps every tensor to its
 R2LM name (transformers' Qwen3/Llama names), checks every shape against the R2LM config it derived, and writes DST
@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-from convert.checkpoint import (
+from r2lm.checkpoints import (
     OVERWRITE_HELP,
     check_destination,
     has_tokenizer,
     read_config,
     read_state_dict,
-    seeded,
     write_checkpoint,
 )
+from r2lm.convert.from_hf import is_sidecar_weight, load_backbone, seeded
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +375,6 @@ def import_checkpoint(
     mask_token_id / block_size override the config's (or the layout's default); sidecar_layers and sidecar
     (sidecar_d_state, sidecar_expand, ...) add zero-gated reverse Mamba sidecars, which only causal and
     block_causal models accept, initialised from `seed`; dtype defaults to the stored weights'. Returns `dst`."""
-    from convert.from_hf import is_sidecar_weight, load_backbone
     from r2lm import R2LMConfig, R2LMForDiffusionLM
 
     spec = LAYOUTS[layout]
@@ -477,7 +476,7 @@ _DEFAULT_MASK = {"llada": LLADA_MASK_ID, "dream": DREAM_MASK_ID, "llada2": LLADA
 
 
 def add_parsers(sub, dtypes: dict, layer_list) -> None:
-    """Register from-llada, from-dream and from-llada2 on the `python -m convert` subparsers."""
+    """Register from-llada, from-dream and from-llada2 on the `r2lm-convert` subparsers."""
     for layout, (command, help_text, description) in _HELP.items():
         p = sub.add_parser(command, help=help_text, description=description)
         p.add_argument("src", help="source checkpoint folder (read only)")

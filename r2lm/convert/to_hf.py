@@ -20,8 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from convert.checkpoint import check_destination, check_finite, read_config, write_checkpoint
 from r2lm import R2LMForDiffusionLM
+from r2lm.checkpoints import check_destination, check_finite, read_config, write_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -1,60 +1,37 @@
-"""DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) -> HF-format R2LM folder (DESIGN section 7).
+"""The weights of a DeepSpeed ZeRO training checkpoint (stage 1, 2 or 3), and its export as an HF-format R2LM folder
+(DESIGN section 7; `r2lm-convert deepspeed-to-hf`, and the final/ export of train/pretrain.py).
 
-The fp32 master weights are reassembled from the per-rank shards with DeepSpeed's own
-`zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (CPU only, no process group needed), loaded into an
-`R2LMForDiffusionLM` built from the config saved beside the shards, checked key by key, cast and saved with
-`save_pretrained` plus the tokenizer, atomically.
+The checkpoint's files are verified against its manifest first. The fp32 master weights are then reassembled from
+the per-rank shards with DeepSpeed's own `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (CPU only, no
+process group needed), loaded into an `R2LMForDiffusionLM` built from the config saved beside the shards, checked
+key by key, cast and saved with `save_pretrained` plus the tokenizer, atomically.
 
 CKPT may be a checkpoint folder (`OUTPUT_DIR/checkpoints/step-00000500`), a checkpoints folder (its newest
-complete checkpoint is used, or --tag), or a training run folder holding `checkpoints/`.
+complete checkpoint is used, or `tag`), or a training run folder holding `checkpoints/` (resolve_checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
 
-from convert.checkpoint import check_destination, check_finite, has_tokenizer, write_checkpoint
+from r2lm.checkpoints.hf import check_finite, has_tokenizer
+from r2lm.checkpoints.manifest import verify_checkpoint
+from r2lm.checkpoints.training import resolve_checkpoint
+from r2lm.checkpoints.writing import check_destination, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
-_MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
-
-
-def _is_tag_dir(path: Path) -> bool:
-    return path.is_dir() and any(_MODEL_STATES.search(p.name) for p in path.iterdir())
-
-
-def resolve_checkpoint(ckpt, tag: str | None = None) -> tuple[Path, str]:
-    """(checkpoints root, tag) for the forms of CKPT described in the module docstring. Raises ValueError."""
-    path = Path(ckpt)
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {path} does not exist or is not a folder")
-    if tag is None and _is_tag_dir(path):
-        return path.parent, path.name
-    if (path / "checkpoints").is_dir() and not _is_tag_dir(path):
-        path = path / "checkpoints"
-    if tag is None:
-        from train.checkpointing import latest_checkpoint
-
-        newest = latest_checkpoint(path)
-        if newest is not None:
-            tag = newest.name
-        elif (path / "latest").is_file():
-            tag = (path / "latest").read_text().strip()
-        else:
-            raise ValueError(f"{path} holds no complete DeepSpeed checkpoint (no step-N folder, no 'latest' file)")
-    if not _is_tag_dir(path / tag):
-        raise ValueError(f"{path / tag} is not a DeepSpeed checkpoint (no *mp_rank_*_model_states.pt)")
-    return path, tag
-
 
 def load_fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+    """The fp32 weights of checkpoint `tag` under `root` (every ZeRO stage), reassembled on the CPU."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as err:
+        raise ValueError(f"reading the DeepSpeed checkpoint {root / tag} needs deepspeed (pip install "
+                         f"'r2lm[train]'): {err}") from None
     try:
         return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     except (FileNotFoundError, ValueError, KeyError) as err:
@@ -99,7 +76,7 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
     if (folder / "adapter_config.json").is_file():
         raise ValueError(
             f"{folder} is a LoRA (stage 2) checkpoint: its weights are an adapter over the base model, not an R2LM; the "
-            "run's final/ folder holds the adapter (train.lora.export_adapter), merge it with python -m convert merge-lora"
+            "run's final/ folder holds the adapter (train/lora.py export_adapter), merge it with r2lm-convert merge-lora"
         )
     meta = Path(model_config) if model_config else folder
     if not (meta / "config.json").is_file():
@@ -113,6 +90,7 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
         dtype = getattr(torch, dtype)
     # the sources are the checkpoint read, not the run folder that may name it: RUN/final is a fine DST
     dst = check_destination(dst, [folder, meta], overwrite, needed_bytes=parameter_bytes(config, dtype))
+    verify_checkpoint(folder)  # a damaged shard is named here, not exported as wrong weights
     logger.info("reassembling fp32 weights from %s", folder)
     state = load_fp32_state_dict(root, tag)
     check_finite(state, folder)

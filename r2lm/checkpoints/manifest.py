@@ -1,0 +1,116 @@
+"""The one manifest of every folder r2lm writes (HF-format outputs and training checkpoints): checksums.sha256.
+
+It holds the sha256 of every other file of the folder in `sha256sum` format (`sha256sum -c checksums.sha256`
+checks a folder by hand), written last, when the folder is complete. It serves two readers: `--overwrite`
+replaces a folder only while it holds nothing the manifest does not list (so nothing r2lm did not write is ever
+deleted), and resume and export verify a checkpoint's files against it before they load them.
+
+Folders written before this manifest existed: conversions listed their files (names only) in r2lm_manifest.json,
+which still marks a folder as replaceable; training checkpoints had no manifest, and verify warns that they cannot
+be checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "checksums.sha256"
+LEGACY_MANIFEST = "r2lm_manifest.json"  # conversions before checksums.sha256: {"files": [names]}
+
+
+class DamagedCheckpointError(ValueError):
+    """A file of a checkpoint is missing or differs from what its manifest says was written."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc tells it (os.umask can only set it, which would
+    race with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def seal(folder: Path) -> None:
+    """Finish a folder before it is renamed into place: give everything in it the mode a plain open() / mkdir
+    gives under the umask (safetensors and tempfile write 0600 whatever the umask says), then write the manifest,
+    last, over every file."""
+    folder = Path(folder)
+    umask = current_umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
+    lines = [f"{sha256_of(p)}  {p.relative_to(folder).as_posix()}\n" for p in files]
+    (folder / MANIFEST).write_text("".join(lines))
+
+
+def read_manifest(folder: Path) -> dict[str, str] | None:
+    """{relative path: sha256} of a folder's manifest; None when it has none."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    entries = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name:
+            raise DamagedCheckpointError(f"checkpoint {folder}: line {number} of {MANIFEST} is not 'SHA256  FILE'")
+        entries[name] = digest
+    return entries
+
+
+def listed_files(folder: Path) -> set[str] | None:
+    """The files r2lm wrote into `folder`, as its manifest (or an older conversion's r2lm_manifest.json) lists
+    them; None when it has neither. Raises ValueError for an unreadable one."""
+    folder = Path(folder)
+    entries = read_manifest(folder)
+    if entries is not None:
+        return set(entries)
+    legacy = folder / LEGACY_MANIFEST
+    if not legacy.is_file():
+        return None
+    try:
+        return set(json.loads(legacy.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{legacy}: {err!r}") from None
+
+
+def verify_checkpoint(folder: Path) -> bool:
+    """Check every file of a folder against its manifest before it is loaded (resume, export).
+
+    Returns True when all files match; False (with a warning) for a folder without a manifest (written before r2lm
+    wrote them, or by another program), which cannot be verified. Raises DamagedCheckpointError (a ValueError)
+    naming the first missing or changed file."""
+    folder = Path(folder)
+    expected = read_manifest(folder)
+    if expected is None:
+        logger.warning("checkpoint %s has no %s (written by an older r2lm or another program): its files cannot be "
+                       "verified", folder, MANIFEST)
+        return False
+    for name, digest in expected.items():
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpointError(f"checkpoint {folder}: {name} is missing (listed in {MANIFEST})")
+        if sha256_of(path) != digest:
+            raise DamagedCheckpointError(f"checkpoint {folder}: {name} is damaged (truncated or changed since it was "
+                                         f"saved: its sha256 differs from {MANIFEST})")
+    return True

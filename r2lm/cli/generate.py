@@ -1,0 +1,139 @@
+"""Generate from an R2LM checkpoint with cached parallel decoding (`model.generate`).
+
+    r2lm-generate CHECKPOINT --prompt "The for statement" [--prompt "Another" ...] [--chat] [--max-new-tokens 64]
+    (the same: python -m r2lm.cli.generate ...)
+
+One prompt streams to the terminal as its blocks are committed; several are decoded as one left-padded batch and
+printed when done. Decoding options left out come from the checkpoint's generation_config.json (which
+model.generate reads: block size, unmasking rule, sampling, ...). Tokens per denoising step and tokens per second
+follow the text, on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from r2lm.generation.sampling import CONFIDENCES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="r2lm-generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="R2LM checkpoint folder (model + tokenizer)")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a left-padded batch")
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user message through the tokenizer's chat template")
+    parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    decoding = parser.add_argument_group("decoding (default: the checkpoint's generation_config.json)")
+    decoding.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default there: 128)")
+    decoding.add_argument("--block-size", type=int, help="tokens decoded in parallel per block")
+    rule = decoding.add_mutually_exclusive_group()
+    rule.add_argument("--threshold", type=float, help="unmask every position at least this confident (Fast-dLLM)")
+    rule.add_argument("--factor", type=float, help="unmask the n most confident, n chosen by this factor (Fast-dLLM)")
+    rule.add_argument("--steps", type=int, help="denoising steps in all, a multiple of the number of blocks (LLaDA)")
+    decoding.add_argument("--confidence", choices=CONFIDENCES, help="how a position's confidence is measured")
+    decoding.add_argument("--temperature", type=float, help="0 is greedy; above 0 samples")
+    decoding.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    decoding.add_argument("--top-p", type=float, help="sample within this probability mass (nucleus)")
+    decoding.add_argument("--seed", type=int, help="seed of the sampler, for a reproducible sampled output")
+    decoding.add_argument("--stop", action="append", metavar="TEXT", help="stop a prompt's output at TEXT; repeatable")
+    decoding.add_argument("--no-cache", action="store_true", help="recompute everything every step (the exactness oracle)")
+    decoding.add_argument("--compile", action="store_true", help="torch.compile the cached decode step")
+    return parser
+
+
+def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
+    """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder: transformers would take
+    a missing path for a hub repo id and fail with a message about repo ids."""
+    from r2lm.checkpoints import read_config
+
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        parser.error(f"{checkpoint}: no such checkpoint folder")
+    try:
+        model_type = read_config(folder).get("model_type")
+    except ValueError as err:
+        parser.error(str(err))
+    if model_type != "r2lm":
+        parser.error(f"{checkpoint} is a {model_type!r} checkpoint, not an R2LM one; convert it first "
+                     "(r2lm-convert from-hf ...)")
+
+
+def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
+    """The model.generate options given on the command line (the others come from generation_config.json)."""
+    given = {
+        "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "threshold": args.threshold,
+        "factor": args.factor, "steps": args.steps, "confidence": args.confidence, "temperature": args.temperature,
+        "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop,
+    }
+    options = {key: value for key, value in given.items() if value is not None}
+    if args.seed is not None:
+        options["generator"] = torch.Generator(device).manual_seed(args.seed)
+    if args.no_cache:
+        options["use_cache"] = False
+    if args.compile:
+        options["compile"] = True
+    return options
+
+
+def encode(tokenizer, prompts: list[str], chat: bool, checkpoint: str):
+    """The prompts as a left-padded batch (input_ids, attention_mask); with `chat`, each as a user message in the
+    tokenizer's chat template (which adds the special tokens itself)."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError(f"--chat: the tokenizer of {checkpoint} has no chat template")
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    if len(prompts) > 1 and tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"a batch of prompts is left-padded, but the tokenizer of {checkpoint} has no pad or EOS "
+                             "token to pad with; give one --prompt")
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out: which token it is does not matter
+    return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+
+
+def generate(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer, TextStreamer
+
+    from r2lm import R2LMForDiffusionLM
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, padding_side="left")
+    batch = encode(tokenizer, args.prompt, args.chat, args.checkpoint)
+    options = decoding_options(args, device)
+    model = R2LMForDiffusionLM.from_pretrained(args.checkpoint).to(device).eval()
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
+    start = time.perf_counter()
+    out = model.generate(batch.input_ids.to(device), batch.attention_mask.to(device), return_dict_in_generate=True,
+                         tokenizer=tokenizer, streamer=streamer, **options)
+    seconds = time.perf_counter() - start
+    if streamer is None:
+        new = out.sequences[:, batch.input_ids.shape[1]:]
+        for prompt, text in zip(args.prompt, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
+            print(f"{prompt!r} -> {text!r}")
+    sys.stdout.flush()
+    print(f"[{out.new_tokens} tokens in {seconds:.2f} s: {out.nfe} forwards, {out.tokens_per_step:.2f} tokens per "
+          f"denoising step, {out.new_tokens / seconds:.1f} tokens/s]", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_checkpoint(parser, args.checkpoint)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        generate(args)
+    except ValueError as err:  # a bad option value (generate names it) or prompt, before any forward
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

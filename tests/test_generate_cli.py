@@ -1,0 +1,137 @@
+"""r2lm-generate (issue 15 item 4): what it prints is what model.generate decodes with the options given, the others
+coming from the checkpoint's generation_config.json; one prompt streams, several are a left-padded batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_hf_config, tiny_tokenizer
+from test_train_helpers import make_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from r2lm import R2LMForDiffusionLM
+from r2lm.cli.generate import build_parser, decoding_options, main
+
+PROMPTS = ["the quick brown", "a diffusion"]
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny R2LM folder whose generation_config.json sets decoding options unlike generate()'s own defaults."""
+    folder = make_model_dir(tmp_path_factory.mktemp("cli") / "model")
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text())
+    config.update(max_new_tokens=10, block_size=4, threshold=0.3)
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def expected(checkpoint, prompts, chat=False, **options) -> tuple[list[str], object]:
+    """What model.generate decodes for `prompts` (left-padded) with `options`: (texts, GenerateOutput)."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    model = R2LMForDiffusionLM.from_pretrained(checkpoint).eval()
+    out = model.generate(batch.input_ids, batch.attention_mask, return_dict_in_generate=True, tokenizer=tokenizer,
+                         **options)
+    texts = tokenizer.batch_decode(out.sequences[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return texts, out
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_one_prompt_streams_its_text_then_the_speed(checkpoint, capsys):
+    code, out, err = run([checkpoint, "--prompt", PROMPTS[0]], capsys)
+    [text], result = expected(checkpoint, PROMPTS[:1])
+    assert code == 0
+    assert out == text + "\n"  # streamed (TextStreamer), without the prompt
+    assert result.new_tokens == 10  # the checkpoint's max_new_tokens: nothing the CLI passed replaced it
+    speed = err.splitlines()[-1]  # after transformers' loading progress
+    assert speed.startswith(f"[{result.new_tokens} tokens in ") and speed.endswith(" tokens/s]")
+    assert f"{result.nfe} forwards, {result.tokens_per_step:.2f} tokens per denoising step" in speed
+
+
+def test_several_prompts_are_one_left_padded_batch(checkpoint, capsys):
+    code, out, _ = run([checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]], capsys)
+    texts, _ = expected(checkpoint, PROMPTS)
+    assert code == 0
+    assert out.splitlines() == [f"{prompt!r} -> {text!r}" for prompt, text in zip(PROMPTS, texts, strict=True)]
+
+
+OPTIONS = [
+    (["--block-size", "2", "--steps", "6", "--confidence", "margin", "--max-new-tokens", "6"],
+     dict(block_size=2, steps=6, confidence="margin", max_new_tokens=6)),
+    (["--factor", "1.5", "--no-cache"], dict(factor=1.5, use_cache=False)),
+    (["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--stop", "the", "--stop", "fox"],
+     dict(temperature=0.8, top_k=5, top_p=0.9, stop_strings=["the", "fox"])),
+]
+
+
+@pytest.mark.parametrize(("flags", "options"), OPTIONS)
+def test_decoding_options_reach_generate(checkpoint, capsys, flags, options):
+    args = build_parser().parse_args([str(checkpoint), "--prompt", "x", *flags])
+    given = decoding_options(args, torch.device("cpu"))
+    generator = given.pop("generator", None)
+    assert given == options
+    if "--seed" in flags:
+        assert torch.equal(generator.get_state(), torch.Generator().manual_seed(3).get_state())
+        options["generator"] = torch.Generator().manual_seed(3)
+    code, out, _ = run([checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], *flags], capsys)
+    texts, _ = expected(checkpoint, PROMPTS, **options)
+    assert code == 0
+    assert out.splitlines() == [f"{prompt!r} -> {text!r}" for prompt, text in zip(PROMPTS, texts, strict=True)]
+
+
+def test_no_flag_leaves_every_option_to_the_checkpoint(checkpoint):
+    assert decoding_options(build_parser().parse_args([str(checkpoint), "--prompt", "x"]), torch.device("cpu")) == {}
+    compiled = build_parser().parse_args([str(checkpoint), "--prompt", "x", "--compile"])
+    assert decoding_options(compiled, torch.device("cpu")) == {"compile": True}
+
+
+def test_chat_applies_the_tokenizers_template(checkpoint, tmp_path, capsys):
+    chat = make_model_dir(tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat)
+    code, out, _ = run([chat, "--chat", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]], capsys)
+    texts, _ = expected(chat, PROMPTS, chat=True)
+    plain, _ = expected(chat, PROMPTS)
+    assert code == 0 and texts != plain  # the template changes what the model sees
+    assert out.splitlines() == [f"{prompt!r} -> {text!r}" for prompt, text in zip(PROMPTS, texts, strict=True)]
+    code, _, err = run([checkpoint, "--chat", "--prompt", PROMPTS[0]], capsys)
+    assert code == 2 and f"--chat: the tokenizer of {checkpoint} has no chat template" in err
+
+
+def test_bad_input_is_named(checkpoint, tmp_path, capsys):
+    code, out, err = run([checkpoint, "--prompt", "x", "--threshold", "1.5"], capsys)
+    assert code == 2 and "threshold must be in (0, 1], got 1.5" in err and out == ""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(checkpoint), "--prompt", "x", "--threshold", "0.5", "--steps", "4"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    tok = tiny_tokenizer()
+    AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tok))).save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "qwen3"), "--prompt", "x"])
+    assert exit_.value.code == 2
+    assert "is a 'qwen3' checkpoint, not an R2LM one; convert it first" in capsys.readouterr().err
+
+
+def test_help_lists_the_options():
+    result = subprocess.run([sys.executable, "-m", "r2lm.cli.generate", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for option in ("--prompt", "--chat", "--block-size", "--threshold", "--factor", "--steps", "--confidence",
+                   "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
+                   "--compile", "generation_config.json"):
+        assert option in result.stdout, option
