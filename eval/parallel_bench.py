@@ -116,7 +116,7 @@ def reference_scores(reference, prompts, outputs: dict, new_tokens: int) -> dict
 @torch.no_grad()
 def speed(model, prompts, args, batch: int) -> dict:
     """tokens/s of R2LM, AR (same backbone), transformers' generate and verify=True, interleaved."""
-    from convert.to_hf import transformers_backbone
+    from r2lm.convert.to_hf import transformers_backbone
 
     ids = prompts[:batch] if prompts.shape[0] >= batch else prompts.repeat(-(-batch // prompts.shape[0]), 1)[:batch]
     plain = without_sidecars(model)

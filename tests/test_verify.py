@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
+from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
 from transformers import AutoModelForCausalLM, TextStreamer
 
-from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
-from convert.from_hf import convert_from_hf
 from r2lm import R2LMForDiffusionLM, generate
+from r2lm.convert.from_hf import convert_from_hf
 from r2lm.diffusion import compute_loss
 from r2lm.prefix import PrefixCache
 

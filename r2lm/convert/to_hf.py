@@ -39,13 +39,9 @@ def architecture_of(config) -> str:
     raise ValueError("these attention biases match none of Qwen3, Qwen2 or Llama")
 
 
-def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
-    src = Path(src)
-    dst = check_destination(dst, [src], overwrite)
-    if read_config(src).get("model_type") != "r2lm":
-        raise ValueError(f"{src} is not an R2LM checkpoint")
-    model = R2LMForDiffusionLM.from_pretrained(src)
-    check_finite(model.state_dict(), src)
+def transformers_backbone(model: R2LMForDiffusionLM):
+    """The transformers Qwen3 / Qwen2 / Llama causal LM with `model`'s weights (in memory; a model without sidecar
+    or block-hybrid layers, causal attention). Its greedy generate() is the model's AR decoding."""
     config = model.config
     if config.sidecar_layers or config.hybrid_layers:
         raise ValueError("sidecar and block-hybrid layers have no transformers counterpart; export a backbone without them")
@@ -80,6 +76,18 @@ def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
         raise ValueError(f"state dict does not map onto {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
+    return hf
+
+
+def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
+    src = Path(src)
+    dst = check_destination(dst, [src], overwrite)
+    if read_config(src).get("model_type") != "r2lm":
+        raise ValueError(f"{src} is not an R2LM checkpoint")
+    model = R2LMForDiffusionLM.from_pretrained(src)
+    check_finite(model.state_dict(), src)
+    hf = transformers_backbone(model)
     write_checkpoint(hf, dst, src, overwrite)
-    logger.info("exported the %s backbone of %s (%d parameters)", arch, src, sum(p.numel() for p in hf.parameters()))
+    logger.info("exported the %s backbone of %s (%d parameters)", architecture_of(model.config), src,
+                sum(p.numel() for p in hf.parameters()))
     return dst
