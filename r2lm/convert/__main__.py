@@ -56,6 +56,8 @@ def add_from_hf(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=64, help="sidecar SSD chunk length (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the source's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
+    p.add_argument("--gguf-file", help="read the model from this GGUF file in SRC (llama.cpp's format; quantised "
+                   "weights are dequantised by transformers' GGUF loader; needs the gguf package)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_from_hf)
 
@@ -72,6 +74,7 @@ def run_from_hf(args) -> None:
         dtype=DTYPES.get(args.dtype),
         overwrite=args.overwrite,
         seed=args.seed,
+        gguf_file=args.gguf_file,
         attention=args.attention,
         prediction=args.prediction,
         block_size=args.block_size,

@@ -15,7 +15,14 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from r2lm import R2LMConfig, R2LMForDiffusionLM
-from r2lm.checkpoints import check_destination, has_tokenizer, read_config, read_state_dict, write_checkpoint
+from r2lm.checkpoints import (
+    check_destination,
+    check_finite,
+    has_tokenizer,
+    read_config,
+    read_state_dict,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +114,29 @@ def add_mask_row(model: R2LMForDiffusionLM, mask_id: int) -> None:
             head[mask_id] = head[:mask_id].float().mean(0).to(head.dtype)
 
 
+def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
+    """(config, state dict, tokenizer) of a GGUF file, dequantised by transformers (after the destination checks)."""
+    from transformers import AutoModelForCausalLM
+
+    path = src / gguf_file
+    if not path.is_file():
+        raise ValueError(f"no GGUF file {path}")
+    # Dequantised weights take about 32 / bits-per-weight times the file's size: 8x for 4-bit quantisation.
+    check_destination(dst, [src], overwrite, needed_bytes=8 * path.stat().st_size)
+    logger.info("reading %s: transformers' GGUF loader dequantises its quantised weights to %s", path,
+                torch.get_default_dtype())
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised now: nothing of it carries over
+        del config.quantization_config
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {config.model_type!r} in {path}; supported: {', '.join(SUPPORTED)}")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    check_finite(state, path)
+    return config, state, tokenizer
+
+
 def convert_from_hf(
     src,
     dst,
@@ -116,18 +146,25 @@ def convert_from_hf(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     seed: int = 0,
+    gguf_file: str | None = None,
     **diffusion,
 ) -> Path:
     """Convert the checkpoint folder `src` into an R2LM checkpoint folder `dst`; returns `dst`.
 
     seed: initialises the sidecars (the same seed gives the same output, bit for bit).
+    gguf_file: read the model and tokenizer from this GGUF file in `src` (llama.cpp's format) through
+        transformers' GGUF loader, which dequantises quantised weights to floating point.
     diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
     src = Path(src)
-    dst = check_destination(dst, [src], overwrite)
-    arch = read_config(src).get("model_type")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")
-    hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    if gguf_file is not None:
+        hf_config, state, tokenizer = read_gguf(src, gguf_file, dst, overwrite)
+    else:
+        dst = check_destination(dst, [src], overwrite)
+        arch = read_config(src).get("model_type")
+        if arch not in SUPPORTED:
+            raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")
+        hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    arch = hf_config.model_type
     config = r2lm_config_from_hf(hf_config, sidecar_layers=list(sidecar_layers), **diffusion)
     if mask_token_id is not None and not 0 <= mask_token_id < config.vocab_size:
         raise ValueError(
@@ -135,9 +172,9 @@ def convert_from_hf(
             f"an existing id, or leave it out to use --mask-token (added to the vocabulary if missing)"
         )
     dtype = dtype or config.dtype or torch.float32
-    state = read_state_dict(src)
-
-    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True) if has_tokenizer(src) else None
+    if gguf_file is None:
+        state = read_state_dict(src)
+        tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True) if has_tokenizer(src) else None
     new_token = False
     if mask_token_id is None and tokenizer is not None:
         existing = tokenizer.convert_tokens_to_ids(mask_token)
