@@ -9,6 +9,13 @@ that *could* have been masked (real tokens, not separators, inside noised blocks
 of the per-token negative ELBO, comparable across batch compositions and equal in scale to the AR loss. The AR
 loss is the mean next-token cross-entropy over predicted real tokens.
 
+Certainty forcing (`certainty`, after dParallel; notes/parallelism.md section 2) trains a block model to be
+confident where it is already right, so that a confidence threshold accepts many tokens per denoising step: the
+block objective's dual stream with complementary masks (both views scored; every noised token is predicted once),
+plus `entropy_weight` x the entropy of softmax(logits / temperature) at the masked positions whose argmax equals
+the target, and nowhere else. Its CE is the plain mean over masked tokens: the two views partition the tokens, so
+each counts once, while 1 / p weights would let whichever view masked a token decide its weight (up to 1 / eps).
+
 What never carries a loss: padding; separator tokens (they are never masked: they are context, not content);
 the clean stream; the first block of the `block` objective (context only); under AR, the position whose input
 is a separator (the next document's first token is not predictable from the previous document).
@@ -23,10 +30,11 @@ import torch.nn.functional as F
 
 from r2lm.layout import dual_stream
 
-OBJECTIVES = ("ar", "mdlm", "block")
+OBJECTIVES = ("ar", "mdlm", "block", "certainty")
 # attention kinds each objective trains: mdlm's single noisy stream needs bidirectional attention (under causal
-# attention a masked token would see nothing to its right); block needs a layout decoding can cache.
-FITS = {"ar": ("causal",), "mdlm": ("bidirectional",), "block": ("causal", "block_causal")}
+# attention a masked token would see nothing to its right); block and certainty need a layout decoding can cache.
+FITS = {"ar": ("causal",), "mdlm": ("bidirectional",), "block": ("causal", "block_causal"),
+        "certainty": ("causal", "block_causal")}
 
 
 @dataclass
@@ -34,6 +42,20 @@ class Loss:
     loss: torch.Tensor  # scalar to backpropagate
     tokens: int  # tokens the loss is normalised by (denominator)
     masked: int  # tokens that received a loss term
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Named scalar parts of the loss that a training run logs beside it (none for most objectives)."""
+        return {}
+
+
+@dataclass
+class CertaintyLoss(Loss):
+    ce: torch.Tensor | None = None  # mean cross-entropy over masked tokens (both views), detached
+    entropy: torch.Tensor | None = None  # mean tempered entropy over the masked tokens already right, detached
+    right_fraction: torch.Tensor | None = None  # masked tokens whose argmax equals the target / masked tokens
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        return {"ce": self.ce, "entropy": self.entropy, "right_fraction": self.right_fraction}
 
 
 def check_objective(name: str, config) -> None:
@@ -119,6 +141,19 @@ def noised_dual_stream(x0, masked, config):
     return dual_stream(x0, xt, config.block_size, config.prediction)
 
 
+def masked_window_logits(model, x0, masked, config):
+    """One dual-stream forward of x0 with the `masked` tokens replaced by [MASK]: the logits [N, V] that predict
+    the N masked tokens, and their (rows, positions) in x0, in the same order."""
+    inputs, layout, target = noised_dual_stream(x0, masked, config)
+    cols = target >= 0
+    # [B, W, V]: window column j predicts x0[target[j]]; the clean stream needs no logits
+    logits = model(inputs, layout=layout, logits_to_keep=torch.nonzero(cols).flatten()).logits
+    tgt = target[cols]
+    sel = masked[:, tgt]
+    rows, columns = torch.nonzero(sel, as_tuple=True)
+    return logits[sel], (rows, tgt[columns])
+
+
 def block_loss(
     model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3, complementary=False
 ) -> Loss:
@@ -130,20 +165,48 @@ def block_loss(
     eligible, copies = block_noise(x0, config, attention_mask, separator_id, generator, eps, complementary)
     total, n_masked = 0.0, 0
     for m, prob in copies:
-        inputs, layout, target = noised_dual_stream(x0, m, config)
-        cols = target >= 0
-        # [B, W, V]: window column j predicts x0[target[j]]; the clean stream needs no logits
-        logits = model(inputs, layout=layout, logits_to_keep=torch.nonzero(cols).flatten()).logits
-        tgt = target[cols]
-        sel = m[:, tgt]
-        ce = F.cross_entropy(logits[sel].float(), x0[:, tgt][sel], reduction="none")
-        total = total + (ce / prob[:, tgt][sel]).sum()
-        n_masked += int(sel.sum())
+        logits, where = masked_window_logits(model, x0, m, config)
+        ce = F.cross_entropy(logits.float(), x0[where], reduction="none")
+        total = total + (ce / prob[where]).sum()
+        n_masked += len(ce)
     n = int(eligible.sum()) * len(copies)
     return Loss(total / max(n, 1), n, n_masked)
 
 
+def tempered_entropy(logits, target, temperature):
+    """The entropy of softmax(logits / temperature) [N] at the rows of `logits` [N, V] whose argmax equals `target`
+    [N], and those rows (bool [N]). Rows whose argmax is wrong are left out, so they get no gradient from it."""
+    right = logits.detach().argmax(dim=-1) == target
+    logp = F.log_softmax(logits[right].float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1), right
+
+
+def certainty_loss(model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3,
+                   entropy_weight=2.0, temperature=0.5) -> CertaintyLoss:
+    """Certainty forcing (dParallel): masked CE over two complementary views of each sequence, plus
+    `entropy_weight` x the mean tempered entropy over the masked tokens whose argmax is already the target."""
+    if temperature <= 0:
+        raise ValueError(f"certainty forcing needs temperature > 0, got {temperature}")
+    config = config or model.config
+    _, copies = block_noise(x0, config, attention_mask, separator_id, generator, eps, complementary=True)
+    ce_sum = entropy_sum = 0.0
+    n_masked = n_right = 0
+    for masked, _ in copies:
+        logits, where = masked_window_logits(model, x0, masked, config)
+        target = x0[where]
+        entropy, right = tempered_entropy(logits, target, temperature)
+        ce_sum = ce_sum + F.cross_entropy(logits.float(), target, reduction="sum")
+        entropy_sum = entropy_sum + entropy.sum()
+        n_masked += len(target)
+        n_right += int(right.sum())
+    ce, entropy = ce_sum / max(n_masked, 1), entropy_sum / max(n_right, 1)
+    return CertaintyLoss(
+        ce + entropy_weight * entropy, n_masked, n_masked, ce=ce.detach(), entropy=entropy.detach(),
+        right_fraction=torch.tensor(n_right / max(n_masked, 1), device=x0.device),
+    )
+
+
 def compute_loss(name: str, model, x0, attention_mask=None, separator_id=None, generator=None, config=None, **options) -> Loss:
     """Objective `name` on x0 [B, L]. `model` may be a wrapper (a DeepSpeed engine): pass the R2LMConfig then."""
-    fn = {"ar": ar_loss, "mdlm": mdlm_loss, "block": block_loss}[name]
+    fn = {"ar": ar_loss, "mdlm": mdlm_loss, "block": block_loss, "certainty": certainty_loss}[name]
     return fn(model, x0, attention_mask=attention_mask, separator_id=separator_id, generator=generator, config=config, **options)

@@ -67,6 +67,13 @@ class WandbConfig:
 
 
 @dataclass
+class CertaintySection:
+    entropy_weight: float = opt(2.0, "objective certainty: weight of the entropy term (dParallel: 2)")
+    temperature: float = opt(0.5, "objective certainty: temperature tau of softmax(logits / tau) whose entropy is "
+                             "minimised where the argmax is already right (dParallel: 0.5)")
+
+
+@dataclass
 class LoraSection:
     enabled: bool = opt(False, "wrap the model with peft LoRA adapters before DeepSpeed (stage 2 of hybrid conversion, "
                         "train/lora.py): only the adapters train; the export (final/) is the adapter, merged with "
@@ -88,11 +95,15 @@ class TrainConfig:
                          choices=("auto", "bf16", "fp32"))
     seed: int = opt(0, "seed of the data order, the diffusion noise and anything else random")
 
-    objective: str = opt("block", "training objective: ar | mdlm | block (r2lm.diffusion), or attention_transfer (stage 1 of "
+    objective: str = opt("block", "training objective: ar | mdlm | block (r2lm.diffusion); certainty (certainty forcing "
+                         "after dParallel, on teacher continuations from train/teacher_data.py: block CE on two "
+                         "complementary views + certainty.entropy_weight x the entropy of softmax(logits / "
+                         "certainty.temperature) where the argmax is already right); or attention_transfer (stage 1 of "
                          "hybrid conversion, train/transfer.py: per-layer MSE of block-hybrid layers to their own softmax "
                          "attention on noised block-diffusion batches; only feature maps and gates train)",
-                         choices=("ar", "mdlm", "block", "attention_transfer"))
-    complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample")
+                         choices=("ar", "mdlm", "block", "certainty", "attention_transfer"))
+    complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample (the "
+                              "certainty objective always does)")
     eps: float = opt(1e-3, "diffusion objectives: smallest masking probability")
     freeze_backbone: bool = opt(False, "train only the sidecars and their gates (R2LM plug-in variant)")
     gradient_checkpointing: bool = opt(False, "recompute layer activations in the backward pass to save memory (the "
@@ -136,6 +147,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data pipeline (train/data.py)"})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "experiment tracking"})
     lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "LoRA adapters (peft)"})
+    certainty: CertaintySection = field(default_factory=CertaintySection,
+                                        metadata={"help": "certainty forcing (objective certainty)"})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -295,12 +308,23 @@ def check_values(cfg: TrainConfig) -> None:
             raise ValueError(f"config key data.{key} must be a string or a non-empty list of strings, got {value!r}")
     if cfg.data.train in ("", None):
         raise ValueError("config key data.train is empty: give the training data")
+    check_certainty(cfg)
     lora = cfg.lora
     if lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
         raise ValueError(f"config keys lora.r and lora.alpha must be positive and lora.dropout in [0, 1), got r={lora.r}, "
                          f"alpha={lora.alpha}, dropout={lora.dropout}")
     if not lora.target_modules or not all(isinstance(m, str) and m for m in lora.target_modules):
         raise ValueError(f"config key lora.target_modules must be a non-empty list of module names, got {lora.target_modules!r}")
+
+
+def check_certainty(cfg: TrainConfig) -> None:
+    """certainty.* values, and no such key set for another objective (it would be silently ignored)."""
+    section = cfg.certainty
+    if section.temperature <= 0 or section.entropy_weight < 0:
+        raise ValueError(f"config keys certainty.temperature must be positive and certainty.entropy_weight >= 0, got "
+                         f"temperature={section.temperature}, entropy_weight={section.entropy_weight}")
+    if cfg.objective != "certainty" and section != CertaintySection():
+        raise ValueError(f"the certainty.* keys set the certainty objective, but objective is {cfg.objective!r}")
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -21,6 +21,10 @@ Block-hybrid conversion runs in two stages of this program: objective=attention_
 train/transfer.py: only feature maps and gates train; attention_transfer.json reports the held-out per-layer MSE
 before and after) and lora.enabled=true (stage 2, train/lora.py: peft LoRA under the block loss; final/ is then
 the adapter, merged with python -m convert merge-lora).
+
+Certainty forcing (objective=certainty, r2lm.diffusion) trains for parallel decoding on a teacher's continuations
+(train/teacher_data.py writes them as a jsonl dataset for data.train); metrics.jsonl and wandb get its parts: ce,
+entropy and right_fraction (masked tokens whose argmax is already the target), and eval_* of each.
 """
 
 from __future__ import annotations
@@ -180,10 +184,10 @@ def validate(cfg: TrainConfig) -> Plan:
                              "give data.heldout or data.heldout_fraction")
     else:
         check_objective(cfg.objective, config)
-    if cfg.objective in ("block", "attention_transfer") and cfg.seq_len <= config.block_size:
+    if cfg.objective in ("block", "certainty", "attention_transfer") and cfg.seq_len <= config.block_size:
         raise ValueError(f"seq_len {cfg.seq_len} must exceed the block size {config.block_size} (block 0 is context only)")
-    if cfg.complementary and cfg.objective != "block":
-        raise ValueError("complementary masks exist for the block objective only")
+    if cfg.complementary and cfg.objective not in ("block", "certainty"):
+        raise ValueError("complementary masks exist for the block objective only (and certainty, which always uses them)")
     if cfg.lora.enabled:
         from train.lora import check_lora
 
@@ -355,6 +359,7 @@ def evaluate(engine, data, cfg: TrainConfig, model_config, rank: int, dist) -> d
 
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
     layers = None  # attention transfer: [sum of weight * per-layer MSE ..., sum of weights]
+    parts: dict = {}  # the loss's named parts (certainty: ce, entropy, right_fraction), token-weighted like the loss
     engine.eval()
     with torch.no_grad():
         for k, indices, weight in data.heldout.plan(rank):
@@ -363,12 +368,17 @@ def evaluate(engine, data, cfg: TrainConfig, model_config, rank: int, dist) -> d
             out = objective_loss(cfg, engine, x0, data.eos_id, generator, model_config)
             totals += torch.tensor([float(out.loss) * out.tokens * weight, out.tokens * weight],
                                    dtype=torch.float64, device=engine.device)
+            for name, value in out.metrics().items():
+                parts[name] = parts.get(name, 0) + value.detach().to(torch.float64) * out.tokens * weight
             if getattr(out, "per_layer", None) is not None:
                 part = torch.cat([out.per_layer.detach().double() * weight, torch.tensor([weight], dtype=torch.float64)])
                 layers = part if layers is None else layers + part
     engine.train()
     dist.all_reduce(totals)
     record = {"eval_loss": float(totals[0] / totals[1]), "eval_tokens": int(totals[1])}
+    for name in sorted(parts):
+        dist.all_reduce(parts[name])
+        record[f"eval_{name}"] = float(parts[name] / totals[1])
     if layers is not None:
         dist.all_reduce(layers)
         record.update({f"eval_mse_layer_{i}": float(v) for i, v in zip(model_config.hybrid_layers, layers[:-1] / layers[-1], strict=True)})
@@ -393,6 +403,8 @@ def _objective_options(cfg: TrainConfig) -> dict:
     options = {"eps": cfg.eps}
     if cfg.objective == "block":
         options["complementary"] = cfg.complementary
+    if cfg.objective == "certainty":
+        options.update(entropy_weight=cfg.certainty.entropy_weight, temperature=cfg.certainty.temperature)
     return options
 
 
@@ -575,6 +587,7 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
             lr = engine.get_lr()[0]  # what this step's update applies (as restored from a checkpoint, on resume)
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
             layer_sum = torch.zeros(len(model_config.hybrid_layers), dtype=torch.float64, device=engine.device)
+            parts: dict = {}  # the loss's named parts (certainty: ce, entropy, right_fraction), summed like the loss
             for micro in range(cfg.grad_accum):
                 x0 = data.train(step, micro).to(engine.device)
                 generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.seed, step, micro, rank))
@@ -582,6 +595,8 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
                 out = objective_loss(cfg, engine, x0, eos_id, generator, model_config)
                 if transfer:
                     layer_sum += out.per_layer.detach().to(torch.float64)
+                for name, value in out.metrics().items():
+                    parts[name] = parts.get(name, 0) + value.detach().to(torch.float64)
                 reduced = out.loss.detach().to(torch.float64).clone()
                 dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
                 if not torch.isfinite(reduced):
@@ -604,6 +619,9 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
                 "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": done * tokens_per_step, "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
             }
+            for name in sorted(parts):  # the same names, in the same order, on every rank
+                dist.all_reduce(parts[name])
+                record[name] = float(parts[name]) / (cfg.grad_accum * world)
             if transfer:
                 dist.all_reduce(layer_sum)
                 layer_mean = (layer_sum / (cfg.grad_accum * world)).tolist()
@@ -612,9 +630,9 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
             progress.update(1)
             if done % cfg.log_every == 0 or done == end:
                 progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
-                logger.info("step %d/%d: loss %.4g, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
-                            record["loss"], record["lr"], f"{record['grad_norm']:.3g}" if grad_norm is not None else "n/a",
-                            record["tokens_per_s"])
+                logger.info("step %d/%d: loss %.4g%s, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
+                            record["loss"], "".join(f", {name} {record[name]:.4g}" for name in sorted(parts)), record["lr"],
+                            f"{record['grad_norm']:.3g}" if grad_norm is not None else "n/a", record["tokens_per_s"])
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 run_eval(done)
             if (cfg.save_every and done % cfg.save_every == 0) or done == end:

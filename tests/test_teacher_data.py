@@ -1,0 +1,219 @@
+"""train/teacher_data.py: teacher continuations for certainty forcing. Records continue their prompts exactly as
+generate() does, are deterministic for a seed, resume after a kill, and bad input stops before the teacher loads."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_hf_config, tiny_tokenizer
+from test_train_helpers import corpus_paragraphs, make_model_dir, python, run_cli, write_corpus
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from r2lm import R2LMForDiffusionLM, generate
+from train.config import DataConfig
+from train.data import encode, load_documents, resolve_source
+from train.teacher_data import build_parser, generate_records
+
+PROMPT_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teacher")
+    model = make_model_dir(root / "model")
+    _, heldout = write_corpus(root / "corpus", n_train=10, n_heldout=30)
+    return root, model, heldout
+
+
+def run(*args: str) -> int:
+    return generate_records(build_parser().parse_args(list(args)))
+
+
+def common(teacher, prompts, out, *extra):
+    return ["--teacher", str(teacher), "--prompts", str(prompts), "--out", str(out), "--prompt-tokens",
+            str(PROMPT_TOKENS), "--max-new-tokens", "16", "--batch-size", "3", *extra]
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_records_are_prompt_plus_the_teachers_continuation(inputs, tmp_path):
+    root, model_dir, heldout = inputs
+    out = tmp_path / "greedy.jsonl"
+    assert run(*common(model_dir, heldout, out, "--max-prompts", "7", "--student", str(model_dir))) == 7
+    got = records(out)
+    assert [r["index"] for r in got] == list(range(7))
+    # independently: the first PROMPT_TOKENS tokens of the held-out paragraphs, continued by generate() one at a time
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = R2LMForDiffusionLM.from_pretrained(model_dir).eval()
+    paragraphs = corpus_paragraphs(30, seed=1)
+    for rec, ids in zip(got, [ids for ids in encode(tokenizer, paragraphs) if len(ids) >= PROMPT_TOKENS], strict=False):
+        prompt = torch.tensor([ids[:PROMPT_TOKENS]])
+        new = generate(model, prompt, max_new_tokens=16, eos_token_id=tokenizer.eos_token_id).sequences[0, PROMPT_TOKENS:]
+        new = new.tolist()[: new.tolist().index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new.tolist()
+        assert rec["text"] == tokenizer.decode(ids[:PROMPT_TOKENS]) + tokenizer.decode(new, skip_special_tokens=True)
+        assert rec["prompt_tokens"] == PROMPT_TOKENS and rec["new_tokens"] == len(new)
+    # the training pipeline reads the file as it is: one document per record
+    docs = load_documents(resolve_source(str(out)), DataConfig(train=str(out)), streaming=False)
+    assert list(docs["text"]) == [r["text"] for r in got]
+    assert resolve_source(str(tmp_path)).files == [str(out)]  # the settings file beside it is no data file
+
+
+def test_sampling_is_deterministic_for_a_seed(inputs, tmp_path):
+    root, model_dir, heldout = inputs
+    sample = ["--max-prompts", "5", "--temperature", "1.0"]
+    run(*common(model_dir, heldout, tmp_path / "a.jsonl", *sample, "--seed", "3"))
+    run(*common(model_dir, heldout, tmp_path / "b.jsonl", *sample, "--seed", "3"))
+    run(*common(model_dir, heldout, tmp_path / "c.jsonl", *sample, "--seed", "4"))
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert records(tmp_path / "a.jsonl") != records(tmp_path / "c.jsonl")
+    greedy = tmp_path / "greedy.jsonl"
+    run(*common(model_dir, heldout, greedy, "--max-prompts", "5"))
+    assert records(greedy) != records(tmp_path / "a.jsonl")  # it did sample
+
+
+def test_resume_appends_only_what_is_missing(inputs, tmp_path, caplog):
+    root, model_dir, heldout = inputs
+    sample = ["--temperature", "1.0", "--seed", "1"]
+    full = tmp_path / "full.jsonl"
+    assert run(*common(model_dir, heldout, full, "--max-prompts", "8", *sample)) == 8
+    reference = full.read_bytes()
+    lines = reference.splitlines(keepends=True)
+
+    part = tmp_path / "part.jsonl"
+    assert run(*common(model_dir, heldout, part, "--max-prompts", "4", *sample)) == 4  # then extended
+    first = part.read_bytes()
+    assert run(*common(model_dir, heldout, part, "--max-prompts", "8", *sample)) == 4
+    assert part.read_bytes() == reference and reference.startswith(first)  # appended; what was there is untouched
+    assert run(*common(model_dir, heldout, part, "--max-prompts", "8", *sample)) == 0  # complete: nothing to do
+
+    # a killed run: 5 records (the middle of the second batch) and half of the sixth
+    killed = tmp_path / "killed.jsonl"
+    shutil.copy(tmp_path / "part.jsonl.settings", tmp_path / "killed.jsonl.settings")
+    killed.write_bytes(b"".join(lines[:5]) + lines[5][: len(lines[5]) // 2])
+    with caplog.at_level("WARNING"):
+        assert run(*common(model_dir, heldout, killed, "--max-prompts", "8", *sample)) == 3
+    assert "ends with a partial record" in caplog.text
+    assert killed.read_bytes() == reference  # the same records as the uninterrupted run, sampled ones included
+
+
+def expect_refusal(args, message, out):
+    before = out.read_bytes() if out.exists() else None
+    with pytest.raises(ValueError, match=message):
+        run(*args)
+    assert (out.read_bytes() if out.exists() else None) == before
+
+
+def test_other_settings_or_a_foreign_file_are_refused(inputs, tmp_path):
+    root, model_dir, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    run(*common(model_dir, heldout, out, "--max-prompts", "3"))
+    expect_refusal(common(model_dir, heldout, out, "--max-prompts", "3", "--temperature", "0.7"),
+                   r"was generated with other settings \(temperature: 0.0 in the file, 0.7 now\)", out)
+    foreign = tmp_path / "mine.jsonl"
+    foreign.write_text('{"text": "someone else\'s data"}\n')
+    expect_refusal(common(model_dir, heldout, foreign), "exists but was not written by train/teacher_data.py", foreign)
+    changed = tmp_path / "changed.txt"  # the prompts file changed under an existing output
+    changed.write_text("\n\n".join(corpus_paragraphs(30, seed=9)) + "\n")
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(out, moved)
+    settings = json.loads((tmp_path / "t.jsonl.settings").read_text())
+    (tmp_path / "moved.jsonl.settings").write_text(json.dumps({**settings, "prompts": str(changed.resolve())}))
+    expect_refusal(common(model_dir, changed, moved, "--max-prompts", "3"), "does not continue prompt 0", moved)
+
+
+@pytest.fixture(scope="module")
+def weightless(inputs):
+    """The teacher's config and tokenizer without its weights: a check that came after loading the teacher would
+    fail on the missing weights instead of giving its own message."""
+    root, model_dir, _ = inputs
+    folder = root / "weightless"
+    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    return folder
+
+
+def other_student(root):
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["zebra"])  # an ordinary token the teacher does not have
+    folder = root / "other-student"
+    if not folder.exists():
+        make_model_dir(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_prompts", "--prompts: no such file: .*nope.txt"),
+    ("empty_prompts", "--prompts: data file .*empty.txt is empty"),
+    ("binary_prompts", "--prompts: .*binary.txt is not UTF-8 text"),
+    ("short_prompts", "--prompts .*heldout.txt holds no prompt of at least 5000 tokens"),
+    ("other_student", r"the teacher's tokenizer .* differs from the student's .*'zebra' \(id \d+\) is only in the student"),
+    ("not_a_teacher", "--teacher .*corpus is not a checkpoint folder"),
+    ("too_long", "exceeds the teacher's max_position_embeddings 512"),
+    ("out_extension", "the output is a jsonl file"),
+    ("zero_batch", "--batch-size must be positive"),
+])
+def test_bad_input_stops_before_the_teacher_loads(inputs, weightless, tmp_path, case, message):
+    root, _, heldout = inputs
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    out = tmp_path / "out.jsonl"
+    args = {
+        "missing_prompts": common(weightless, tmp_path / "nope.txt", out),
+        "empty_prompts": common(weightless, tmp_path / "empty.txt", out),
+        "binary_prompts": common(weightless, tmp_path / "binary.txt", out),
+        "short_prompts": common(weightless, heldout, out) + ["--prompt-tokens", "5000"],
+        "other_student": common(weightless, heldout, out, "--student", str(other_student(root))),
+        "not_a_teacher": common(root / "corpus", heldout, out),
+        "too_long": common(weightless, heldout, out, "--max-new-tokens", "600"),
+        "out_extension": common(weightless, heldout, tmp_path / "out.txt"),
+        "zero_batch": common(weightless, heldout, out, "--batch-size", "0"),
+    }[case]
+    with pytest.raises(ValueError, match=message):
+        run(*args)
+    assert not out.exists() and not (tmp_path / "out.jsonl.settings").exists()
+
+
+def test_without_a_bad_input_the_weightless_teacher_does_fail_to_load(inputs, weightless, tmp_path):
+    """The check above is real: the same arguments that are fine get as far as loading the (missing) weights."""
+    _, _, heldout = inputs
+    with pytest.raises(ValueError, match="cannot load the teacher .*weightless"):
+        run(*common(weightless, heldout, tmp_path / "out.jsonl"))
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_transformers_teacher_and_its_r2lm_conversion_agree(tmp_path):
+    """The original pretrained model as teacher: a transformers causal LM decodes with its own greedy generate(),
+    and the R2LM converted from it (gates at 0) with --block-size 1 gives the same records (DESIGN invariant 3)."""
+    from convert.__main__ import main as convert_main
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tokenizer))).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(3)  # clear argmaxes: the two implementations agree to float rounding only
+    hf.config.eos_token_id, hf.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    hf.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "r2lm"), "--sidecar-layers", "1",
+                         "--d-state", "8", "--headdim", "16", "--block-size", "8"]) == 0
+    _, heldout = write_corpus(tmp_path / "corpus", n_train=5, n_heldout=12)
+    args = ["--max-prompts", "6", "--max-new-tokens", "20"]
+    run(*common(tmp_path / "hf", heldout, tmp_path / "hf.jsonl", *args, "--student", str(tmp_path / "r2lm")))
+    run(*common(tmp_path / "r2lm", heldout, tmp_path / "r2lm.jsonl", *args, "--block-size", "1"))
+    assert records(tmp_path / "hf.jsonl") == records(tmp_path / "r2lm.jsonl")
+    assert len({r["text"] for r in records(tmp_path / "hf.jsonl")}) > 1
+    with pytest.raises(ValueError, match="--block-size / --threshold set R2LM .* the teacher is a transformers causal LM"):
+        run(*common(tmp_path / "hf", heldout, tmp_path / "x.jsonl", "--block-size", "1"))
+
+
+def test_cli_help_and_errors(inputs, tmp_path):
+    root, model_dir, heldout = inputs
+    out = run_cli(python("train/teacher_data.py", "--help"), timeout=60)
+    assert out.returncode == 0 and "--teacher" in out.stdout and "objective=certainty" in out.stdout
+    bad = run_cli(python("train/teacher_data.py", *common(model_dir, tmp_path / "nope.txt", tmp_path / "o.jsonl")),
+                  timeout=120)
+    assert bad.returncode == 2 and "error: --prompts: no such file" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,414 @@
+"""Teacher continuations for certainty forcing (objective=certainty; notes/parallelism.md section 2, dParallel).
+
+    python train/teacher_data.py --teacher CKPT --prompts heldout.txt --out data/teacher.jsonl \\
+        --prompt-tokens 32 --max-new-tokens 128 [--student STUDENT_CKPT] [--max-prompts 5000] [--batch-size 16]
+    deepspeed --num_gpus 8 train/pretrain.py --config ... objective=certainty data.train=data/teacher.jsonl
+
+The teacher continues every prompt and each record's `text` is prompt + continuation, so the training data
+pipeline (train/data.py) reads the file unchanged: one document per record, followed by EOS when packed.
+
+Teachers:
+- an R2LM checkpoint (the student itself, or a trained one), decoded with r2lm's cached `generate()`: its own
+  block size and threshold unless --block-size / --threshold say otherwise. An R2LM freshly converted from an AR
+  model (gates at 0) is that AR model only with --block-size 1;
+- a transformers causal-LM checkpoint (the original pretrained model, e.g. the base a student was converted
+  from), decoded with its own `generate()`.
+
+Prompts come from a text file (paragraphs separated by blank lines; --text-unit line for one per line) or a
+jsonl / json / parquet file (--prompt-field), read with `datasets`; --prompt-tokens N keeps the first N tokens of
+every document that has that many (e.g. held-out paragraphs: real text, see scripts/make_corpus.py). Prompts are
+tokenised with the teacher's tokenizer exactly as the training pipeline tokenises documents.
+
+Decoding is greedy (--temperature 0, the default) or sampled with a seed: batch k (prompts k*B .. k*B + B - 1,
+left-padded) draws from a generator seeded by (--seed, k*B), so the same command gives the same file, and a
+record does not depend on --max-prompts (the last batch is always full when the prompts file has more).
+
+Resume: re-running the same command appends only the missing records (a larger --max-prompts extends the file).
+Records are appended a batch at a time and flushed; a partial last line left by a killed run is cut off and its
+record generated again. The settings that decide the records are kept in OUT.settings (JSON): a re-run with other
+settings is refused, naming them. Every check (files, tokenizers, settings, lengths) runs before the teacher loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: python train/teacher_data.py
+    sys.path.insert(0, str(REPO))
+
+logger = logging.getLogger("train.teacher_data")
+
+SETTINGS_SUFFIX = ".settings"  # not a data file extension: a folder given as data.train skips it
+# the arguments that decide the records: a resumed run must keep them (--max-prompts may grow or shrink)
+SETTINGS = ("teacher", "prompts", "prompt_field", "text_unit", "prompt_tokens", "max_new_tokens", "batch_size",
+            "temperature", "top_k", "top_p", "seed", "block_size", "threshold")
+
+
+@dataclass
+class Prompt:
+    ids: list[int]  # teacher token ids
+    text: str  # what the record's text starts with
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_arguments(args) -> None:
+    for name in ("max_new_tokens", "batch_size", "prompt_tokens", "max_prompts", "block_size", "top_k"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.threshold is not None and not 0 < args.threshold <= 1:
+        raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
+    if args.temperature == 0 and (args.top_p is not None or args.top_k is not None):
+        raise ValueError("--top-p / --top-k filter sampling: give --temperature > 0 with them")
+    out = Path(args.out)
+    if out.suffix != ".jsonl":
+        raise ValueError(f"--out {out}: the output is a jsonl file (one record per line, appended on resume); "
+                         "name it *.jsonl")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name ending in .jsonl")
+
+
+def checkpoint_kind(folder: str, what: str) -> str:
+    """'r2lm' or 'causal_lm' (a transformers causal LM) for a checkpoint folder; ValueError otherwise."""
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{what} {folder} is not a checkpoint folder (no config.json)")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{what} {folder}: cannot read config.json: {err}") from None
+    if model_type == "r2lm":
+        return "r2lm"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{what} {folder} (model_type {model_type!r}) is neither an R2LM checkpoint nor a transformers "
+                         "causal LM")
+    return "causal_lm"
+
+
+def load_tokenizer(folder: str, what: str):
+    from transformers import AutoTokenizer
+
+    import r2lm  # noqa: F401  (registers the r2lm config, which AutoTokenizer reads)
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{what} {folder} has no usable tokenizer: {err}") from err
+
+
+def check_same_vocabulary(teacher_tok, student_tok, teacher: str, student: str) -> None:
+    """The student must read the teacher's text with the teacher's tokens: every teacher token has the same id in
+    the student's vocabulary, and the student's extra tokens are special tokens (the [MASK] conversion adds)."""
+    ours, theirs = teacher_tok.get_vocab(), student_tok.get_vocab()
+    differ = sorted((i, token) for token, i in ours.items() if theirs.get(token) != i)
+    special = set(student_tok.all_special_tokens) | {t.content for t in student_tok.added_tokens_decoder.values() if t.special}
+    extra = sorted((i, token) for token, i in theirs.items() if token not in ours and token not in special)
+    if differ or extra:
+        examples = [f"{token!r} is id {i} in the teacher, {theirs.get(token)} in the student" for i, token in differ[:3]]
+        examples += [f"{token!r} (id {i}) is only in the student" for i, token in extra[:3]]
+        raise ValueError(
+            f"the teacher's tokenizer ({teacher}, {len(ours)} tokens) differs from the student's ({student}, "
+            f"{len(theirs)} tokens): {len(differ) + len(extra)} tokens differ, e.g. {'; '.join(examples)}. The student "
+            "learns the teacher's text token by token: use a teacher with the student's vocabulary"
+        )
+
+
+def read_prompts(args, tokenizer, limit: int | None) -> list[Prompt]:
+    """The first `limit` (None: all) prompts: documents of --prompts, tokenised like the training pipeline does, cut
+    to --prompt-tokens."""
+    from train.config import DataConfig
+    from train.data import encode, load_documents, resolve_source
+
+    source = resolve_source(args.prompts, "auto", "--prompts")
+    if source.builder == "hub":
+        raise ValueError(f"--prompts: no such file: {args.prompts}")
+    section = DataConfig(train=args.prompts, text_field=args.prompt_field, text_unit=args.text_unit)
+    docs = iter(load_documents(source, section, streaming=True))  # streamed: no datasets cache is written
+    prompts: list[Prompt] = []
+    while limit is None or len(prompts) < limit:
+        texts = [row["text"] for row in itertools.islice(docs, 256)]
+        if not texts:
+            break
+        for ids in encode(tokenizer, [t or "" for t in texts]):
+            if not ids or (args.prompt_tokens and len(ids) < args.prompt_tokens):
+                continue
+            ids = ids[: args.prompt_tokens] if args.prompt_tokens else ids
+            prompts.append(Prompt(ids, tokenizer.decode(ids)))
+    prompts = prompts[:limit]
+    if not prompts:
+        need = f" of at least {args.prompt_tokens} tokens" if args.prompt_tokens else ""
+        raise ValueError(f"--prompts {args.prompts} holds no prompt{need}")
+    return prompts
+
+
+def check_lengths(prompts: list[Prompt], teacher: str, max_new_tokens: int) -> None:
+    limit = json.loads((Path(teacher) / "config.json").read_text()).get("max_position_embeddings")
+    longest = max(len(p.ids) for p in prompts)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                         f"teacher's max_position_embeddings {limit}: give --prompt-tokens or fewer new tokens")
+
+
+def eos_ids_of(folder: str, tokenizer) -> list[int]:
+    """The teacher's EOS ids, its tokenizer's and its generation config's: a continuation ends at any of them."""
+    from transformers import GenerationConfig
+
+    try:
+        config_eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:  # no generation_config.json: the model config's
+        config_eos = json.loads((Path(folder) / "config.json").read_text()).get("eos_token_id")
+    config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
+    ids = sorted({i for i in [tokenizer.eos_token_id, *config_eos] if i is not None})
+    if not ids:
+        raise ValueError(f"the teacher {folder} defines no EOS token (tokenizer, generation_config.json or "
+                         "config.json): its continuations would never end")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- the output
+
+
+def settings_of(args) -> dict:
+    values = {name: getattr(args, name) for name in SETTINGS}
+    values["teacher"], values["prompts"] = str(Path(args.teacher).resolve()), str(Path(args.prompts).resolve())
+    return values
+
+
+def settings_path(out: Path) -> Path:
+    return out.with_name(out.name + SETTINGS_SUFFIX)
+
+
+def done_records(out: Path, settings: dict, prompts: list[Prompt]) -> int:
+    """How many records `out` already holds for these settings (0: a new file). A partial last line (a killed run)
+    is cut off. Raises ValueError for a file this script did not write, or wrote with other settings."""
+    saved_path = settings_path(out)
+    if not out.exists():
+        return 0
+    if not saved_path.is_file():
+        raise ValueError(f"--out {out} exists but was not written by train/teacher_data.py (no {saved_path.name} "
+                         "beside it): give another --out")
+    saved = json.loads(saved_path.read_text())
+    changed = [f"{name}: {saved.get(name)!r} in the file, {value!r} now" for name, value in settings.items()
+               if saved.get(name) != value]
+    if changed:
+        raise ValueError(f"--out {out} was generated with other settings ({'; '.join(changed)}): rerun with its "
+                         "settings to extend it, or give another --out")
+    data = out.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    lines = complete.decode("utf-8").splitlines()
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"--out {out}: line {i + 1} is not a JSON record; the file is damaged") from None
+        if record.get("index") != i or (i < len(prompts) and not record.get("text", "").startswith(prompts[i].text)):
+            raise ValueError(f"--out {out}: record {i + 1} does not continue prompt {i} of --prompts; the file or the "
+                             "prompts file changed since it was written: give another --out")
+    if len(complete) < len(data):
+        logger.warning("%s ends with a partial record (a killed run?): cut off, it is generated again", out)
+        os.truncate(out, len(complete))
+    return len(lines)
+
+
+def write_records(out: Path, settings: dict, records: list[dict]) -> None:
+    """Append whole records (one write, flushed to disk); the settings file comes first, written atomically."""
+    saved_path = settings_path(out)
+    if not saved_path.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved_path.with_name(f".{saved_path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(settings, indent=1) + "\n")
+        os.replace(tmp, saved_path)
+    with out.open("a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+class Teacher:
+    """A teacher checkpoint and the way it continues a left-padded batch of prompts."""
+
+    def __init__(self, folder: str, kind: str, tokenizer, args):
+        import torch
+
+        self.kind, self.args = kind, args
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if kind == "r2lm":
+            from r2lm import R2LMForDiffusionLM as model_class
+        else:
+            from transformers import AutoModelForCausalLM as model_class
+        if args.dtype == "auto":
+            dtype = torch.float32 if self.device.type == "cpu" else "auto"  # "auto": the checkpoint's
+        else:
+            dtype = getattr(torch, args.dtype)
+        try:
+            self.model = model_class.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+        except OSError as err:  # no or unreadable weights
+            raise ValueError(f"cannot load the teacher {folder}: {err}") from err
+        self.eos_ids = eos_ids_of(folder, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.steps = self.new_tokens = 0  # R2LM teachers: denoising steps and tokens, for the tokens-per-step report
+
+    def continue_batch(self, prompts: list[Prompt], seed: int) -> list[tuple[list[int], bool]]:
+        """(new token ids without EOS, whether EOS ended them) for each prompt."""
+        import torch
+
+        width = max(len(p.ids) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p.ids)) + p.ids for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=self.device)
+        sequences = self._generate(ids, mask, seed)[:, width:].tolist()
+        out = []
+        for row in sequences:
+            stop = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
+            out.append((row if stop is None else row[:stop], stop is not None))
+        return out
+
+    def _generate(self, ids, mask, seed: int):
+        import torch
+
+        a = self.args
+        if self.kind == "r2lm":
+            from r2lm import generate
+
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            decoding = {k: v for k, v in (("block_size", a.block_size), ("threshold", a.threshold)) if v is not None}
+            out = generate(self.model, ids, mask, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           top_k=a.top_k, top_p=a.top_p, generator=generator, eos_token_id=self.eos_ids,
+                           pad_token_id=self.pad_id, **decoding)
+            self.steps += out.steps * ids.shape[0]
+            self.new_tokens += out.new_tokens
+            return out.sequences
+        from transformers import GenerationConfig
+
+        sample = a.temperature > 0
+        config = GenerationConfig(max_new_tokens=a.max_new_tokens, do_sample=sample, eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id, **({"temperature": a.temperature, "top_k": a.top_k or 0,
+                                                                 "top_p": a.top_p or 1.0} if sample else {}))
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        with torch.no_grad():
+            return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+
+
+def record(index: int, prompt: Prompt, new_ids: list[int], finished: bool, tokenizer) -> dict:
+    continuation = tokenizer.decode(new_ids, skip_special_tokens=True)
+    return {"index": index, "text": prompt.text + continuation, "prompt_tokens": len(prompt.ids),
+            "new_tokens": len(new_ids), "finished": finished}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train/teacher_data.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", required=True, help="R2LM or transformers causal-LM checkpoint folder")
+    parser.add_argument("--prompts", required=True, help="text / jsonl / json / parquet file of documents")
+    parser.add_argument("--out", required=True, help="output jsonl file (records appended; resumable)")
+    parser.add_argument("--student", help="the R2LM checkpoint to be trained: its tokenizer must have the teacher's "
+                        "vocabulary (checked before any work)")
+    parser.add_argument("--prompt-field", default="text", help="jsonl / parquet column of the documents (default: text)")
+    parser.add_argument("--text-unit", default="paragraph", choices=("paragraph", "line", "document"),
+                        help="what one document is in a text file (default: paragraph)")
+    parser.add_argument("--prompt-tokens", type=int, help="keep the first N tokens of every document of at least N "
+                        "tokens (default: whole documents)")
+    parser.add_argument("--max-prompts", type=int, help="use the first N prompts (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per continuation (default: 128)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call (default: 8)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens")
+    parser.add_argument("--top-p", type=float, help="sampling: nucleus probability")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
+    parser.add_argument("--block-size", type=int, help="R2LM teachers: decoding block size (default: the teacher's; 1 "
+                        "for an AR teacher, i.e. a checkpoint converted from a causal LM and not trained since)")
+    parser.add_argument("--threshold", type=float, help="R2LM teachers: confidence threshold (default: the teacher's)")
+    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto = float32 on CPU, the checkpoint's dtype on GPU")
+    return parser
+
+
+def prepare(args):
+    """Every check, before the teacher loads: (teacher kind, tokenizer, prompts, records wanted, settings, records
+    already done). `prompts` runs to the end of the last batch: the batches, and so what a seed samples, do not
+    depend on --max-prompts (the rows past it are generated and dropped)."""
+    check_arguments(args)
+    kind = checkpoint_kind(args.teacher, "--teacher")
+    if kind != "r2lm" and (args.block_size is not None or args.threshold is not None):
+        raise ValueError("--block-size / --threshold set R2LM (diffusion) decoding; the teacher is a transformers "
+                         "causal LM, which decodes token by token")
+    tokenizer = load_tokenizer(args.teacher, "--teacher")
+    eos_ids_of(args.teacher, tokenizer)
+    if args.student is not None:
+        checkpoint_kind(args.student, "--student")
+        check_same_vocabulary(tokenizer, load_tokenizer(args.student, "--student"), args.teacher, args.student)
+    limit = None if args.max_prompts is None else -(-args.max_prompts // args.batch_size) * args.batch_size
+    prompts = read_prompts(args, tokenizer, limit)
+    wanted = min(len(prompts), args.max_prompts or len(prompts))
+    check_lengths(prompts, args.teacher, args.max_new_tokens)
+    settings = settings_of(args)
+    return kind, tokenizer, prompts, wanted, settings, done_records(Path(args.out), settings, prompts)
+
+
+def generate_records(args) -> int:
+    """Append the missing records of `args.out`; returns how many were written."""
+    from tqdm.auto import tqdm
+
+    from train.pretrain import noise_seed
+
+    kind, tokenizer, prompts, wanted, settings, done = prepare(args)
+    out = Path(args.out)
+    if done >= wanted:
+        logger.info("%s already holds %d records for %d prompts: nothing to do", out, done, wanted)
+        return 0
+    if done:
+        logger.info("%s holds %d of %d records: generating the other %d", out, done, wanted, wanted - done)
+    teacher = Teacher(args.teacher, kind, tokenizer, args)
+    b = args.batch_size
+    written = 0
+    with tqdm(total=wanted, initial=done, desc="teacher", unit="prompt", dynamic_ncols=True) as progress:
+        for start in range(done // b * b, wanted, b):  # fixed batches: a resumed batch is generated as before
+            batch = prompts[start : start + b]
+            results = teacher.continue_batch(batch, noise_seed(args.seed, start))
+            records = [record(start + i, p, new, finished, tokenizer)
+                       for i, (p, (new, finished)) in enumerate(zip(batch, results, strict=True)) if done <= start + i < wanted]
+            write_records(out, settings, records)
+            written += len(records)
+            progress.update(len(records))
+    per_step = f", {teacher.new_tokens / teacher.steps:.2f} tokens per denoising step" if teacher.steps else ""
+    logger.info("wrote %d records to %s%s", written, out, per_step)
+    return written
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("datasets", "transformers", "DeepSpeed", "deepspeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        generate_records(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
