@@ -187,7 +187,7 @@ def test_without_a_bad_input_the_weightless_teacher_does_fail_to_load(inputs, we
 def test_transformers_teacher_and_its_r2lm_conversion_agree(tmp_path):
     """The original pretrained model as teacher: a transformers causal LM decodes with its own greedy generate(),
     and the R2LM converted from it (gates at 0) with --block-size 1 gives the same records (DESIGN invariant 3)."""
-    from convert.__main__ import main as convert_main
+    from r2lm.convert.__main__ import main as convert_main
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
