@@ -345,3 +345,18 @@ def test_run_files_follow_the_umask(inputs, tmp_path, umask):
                  f"checkpoints/step-00000002/{MANIFEST}", "checkpoints/step-00000002/trainer_state.json",
                  "checkpoints/step-00000002/mp_rank_00_model_states.pt", "final/adapter_model.safetensors"]:
         assert name in written, name
+
+
+def test_a_finished_run_whose_export_was_lost_resumes_to_export(checkpointed, inputs, tmp_path):
+    """Before: a run killed while exporting (after its last checkpoint) could not be finished: resuming said
+    "nothing to do" and left it without final/."""
+    from safetensors.torch import load_file
+
+    full, _ = checkpointed
+    run = copy_run(full, tmp_path / "run")
+    shutil.rmtree(run / "final")
+    run_inprocess(overrides(inputs, run, "save_every=2", "eval_every=0"))
+    want, got = load_file(full / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(ValueError, match="is exported: nothing to do"):
+        run_inprocess(overrides(inputs, run, "save_every=2", "eval_every=0"))

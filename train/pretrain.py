@@ -251,9 +251,11 @@ def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
             f"checkpoint {checkpoint} was written by {state['world_size']} ranks but this run has {world}: exact "
             "resume needs the same world size (export it with python -m convert deepspeed-to-hf and start a new run)"
         )
-    if state["step"] >= cfg.steps:
-        raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, the run has steps={cfg.steps}: "
-                         "nothing to do")
+    exported = (Path(cfg.output_dir) / "final" / "config.json").is_file()
+    if state["step"] > cfg.steps or (state["step"] == cfg.steps and (exported or not cfg.export)):
+        raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, the run has steps={cfg.steps}"
+                         f"{' and is exported' if exported else ''}: nothing to do")
+    # A finished run whose export did not happen (killed while exporting) resumes to export and nothing else.
     old = state["config"]
     old_model = Path(state.get("model_path") or resolve_path(old["model"]).resolve())
     if old_model != resolve_path(cfg.model).resolve():
