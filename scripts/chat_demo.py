@@ -1,0 +1,94 @@
+"""Chat with an R2LM converted from a transformers model, three ways, against that original model:
+
+    python scripts/chat_demo.py R2LM_CHECKPOINT --reference SRC [--gguf-file FILE] [--prompt TEXT ...]
+
+- cached parallel decoding (threshold rule): the text, tokens accepted per denoising step;
+- verified decoding (verify=True): the window drafts, the causal pass verifies; for a frozen-backbone R2LM the text
+  is the original model's own greedy text, token for token (checked against the reference's `generate`);
+- AR decoding of the same backbone (block size 1 without sidecars), the speed both are compared with.
+
+The prompts go through the tokenizer's chat template as one left-padded batch. Prints each answer and a table of
+generated tokens / s, tokens per forward and the ratio to AR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+           "Give me three tips for sleeping better."]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="R2LM checkpoint folder")
+    parser.add_argument("--reference", required=True, help="the transformers checkpoint (folder) it was converted from")
+    parser.add_argument("--gguf-file", help="the reference is this GGUF file in --reference")
+    parser.add_argument("--prompt", action="append", help=f"a user message (repeatable; default: {len(PROMPTS)} examples)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = R2LMForDiffusionLM.from_pretrained(args.model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    reference = AutoModelForCausalLM.from_pretrained(args.reference, **extra).eval()
+    chats = [[{"role": "user", "content": p}] for p in (args.prompt or PROMPTS)]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = batch.input_ids, batch.attention_mask
+    plain = copy.deepcopy(model)  # the backbone alone: AR decoding
+    for layer in plain.model.layers:
+        layer.sidecar = None
+    plain.config.sidecar_layers = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    block = args.block_size or model.config.block_size
+    with torch.no_grad():
+        parallel, t_parallel = timed(lambda: generate(model, ids, mask, block_size=block, threshold=args.threshold, **options))
+        verified, t_verify = timed(lambda: generate(model, ids, mask, block_size=block, verify=True, **options))
+        ar, t_ar = timed(lambda: generate(plain, ids, mask, block_size=1, **options))
+        own = reference.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+
+    def answer(seq, row):
+        return tokenizer.decode(seq[row, ids.shape[1] :], skip_special_tokens=True).strip()
+
+    for row, chat in enumerate(chats):
+        print(f"\n>>> {chat[0]['content']}")
+        print(f"[cached parallel, threshold {args.threshold}] {answer(parallel.sequences, row)}")
+        print(f"[verify=True] {answer(verified.sequences, row)}")
+    width = max(own.shape[1], verified.sequences.shape[1])  # either may stop early, once every row has ended
+    identical = torch.equal(*(torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in (verified.sequences, own)))
+    print(f"\nverify=True output identical to the original model's own greedy generate: {identical}")
+    print(f"\n{'decoding':<18}{'tokens/s':>10}{'tokens/forward':>16}{'tokens/step':>13}{'vs AR':>8}")
+    for name, out, seconds in (("cached parallel", parallel, t_parallel), ("verify=True", verified, t_verify),
+                               ("AR (backbone)", ar, t_ar)):
+        print(f"{name:<18}{out.new_tokens / seconds:>10.1f}{out.tokens_per_forward:>16.2f}{out.tokens_per_step:>13.2f}"
+              f"{(out.new_tokens / seconds) / (ar.new_tokens / t_ar):>8.2f}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
