@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import torch
-
 from conftest import tiny_r2lm, tiny_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
