@@ -41,19 +41,8 @@ measured), or `elbo` together with the AR model's `next_token_nll` (both bound, 
 the same tokens given block 0). A masked NLL at one ratio is not a likelihood, and values at different ratios,
 or against `next_token_nll`, measure different things.
 
-Multiple choice (`score_choices`, `answer_loglikelihood`): log p(answer | context). Diffusion variants use
-LLaDA's Monte-Carlo estimator (ML-GSAI/LLaDA `get_log_likelihood.py`): draw a mask count x in {1..n}
-(stratified over the rows of a batch), mask x answer tokens uniformly at random, and sum the log-probabilities
-of the masked tokens weighted by n / x; the mean over `mc_num` samples estimates the masked-diffusion ELBO of the
-answer (a lower bound on its log-likelihood). The answer follows the context in the layout the model decodes
-with: block models put it in windows of `block_size` tokens after the clean context (the windows of `generate`:
-each sees the context and the clean earlier answer blocks; the count is drawn per block, which is the ELBO of
-the block factorisation), single-stream models mask it in one noisy stream after the context. The AR variant
-uses the exact next-token log-likelihood. Answers whose blocks are all one token long need one sample (exact).
-Block models encode the context once per question (`ContextCache`: its KV cache replicated over the rows of a
-Monte-Carlo batch and shared by the choices; tested equal to the full layout), so a sample costs about two
-answer lengths of tokens, not the context. `greedy_reproduces` gives lm-eval's is_greedy (LLaDA's
-suffix_greedy_prediction: one token per step, most confident first).
+Multiple choice and greedy reproduction (`score_choices`, `answer_loglikelihood`, `greedy_reproduces`) are the
+library's: r2lm.scoring, whose docstring says how each is computed.
 """
 
 from __future__ import annotations
