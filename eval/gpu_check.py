@@ -301,7 +301,7 @@ def check_decode(device, size) -> list[Row]:
 
     ar, r2lm = decode_models(size, device)
     timing = SimpleNamespace(repeats=1 if size["repeats"] == 1 else 3, measure_tokens=size["decode_tokens"],
-                             new_tokens=size["decode_tokens"])
+                             new_tokens=size["decode_tokens"], diagnostic_thresholds=())
     vocab = ar.config.vocab_size - 1
     rows = []
     for batch in size["batches"]:
@@ -309,7 +309,7 @@ def check_decode(device, size) -> list[Row]:
         prompts = prompts.to(device)
         with torch.no_grad():
             for model, options in ((ar, dict(block_size=1)), (r2lm, dict(threshold=0.9))):
-                run_one(model, prompts[:, :8], SimpleNamespace(repeats=1, measure_tokens=2, new_tokens=2), options)
+                run_one(model, prompts[:, :8], SimpleNamespace(repeats=1, measure_tokens=2, new_tokens=2, diagnostic_thresholds=()), options)
             a, r = run_one(ar, prompts, timing, dict(block_size=1)), run_one(r2lm, prompts, timing, dict(threshold=0.9))
         ok = all(x["tokens_per_s"] > 0 for x in (a, r))
         rows.append(Row(f"decode batch {batch}", "ok" if ok else "FAIL",

@@ -138,7 +138,7 @@ def test_resume_checks(full_run, inputs, tmp_path):
     _, full = full_run
     with pytest.raises(ValueError, match="already holds checkpoints and resume=never"):
         run_inprocess(overrides(inputs, full, "resume=never", "steps=8"))
-    with pytest.raises(ValueError, match="is at step 6, the run has steps=6: nothing to do"):
+    with pytest.raises(ValueError, match="is at step 6, the run has steps=6 and is exported: nothing to do"):
         run_inprocess(overrides(inputs, full))
     copy = tmp_path / "ckpt" / "step-00000006"
     shutil.copytree(full / "checkpoints" / "step-00000006", copy)
