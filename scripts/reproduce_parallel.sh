@@ -19,17 +19,7 @@ REPRO="${REPRO_OUT:-runs/reproduce}"
 PORT="${PARALLEL_PORT:-29681}"
 mkdir -p "$OUT"
 
-stage() {  # stage NAME COMMAND...: run once; a marker records completion, training itself resumes mid-stage
-  local name=$1
-  shift
-  if [ -f "$OUT/.done-$name" ]; then
-    echo "=== $name: done"
-    return
-  fi
-  echo "=== $name"
-  "$@"
-  touch "$OUT/.done-$name"
-}
+source "$(dirname "$0")/stages.sh"  # stage NAME COMMAND...: run once, resumable
 
 train() {  # train OUTPUT CONFIG key=value...
   local run=$1 config=$2

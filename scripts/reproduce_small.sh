@@ -34,17 +34,7 @@ if [ -n "${REPRO_QUICK:-}" ]; then  # every stage, with budgets small enough for
   touch "$OUT/.quick"
 fi
 
-stage() {  # stage NAME COMMAND...: run once; a marker records completion, training itself resumes mid-stage
-  local name=$1
-  shift
-  if [ -f "$OUT/.done-$name" ]; then
-    echo "=== $name: done"
-    return
-  fi
-  echo "=== $name"
-  "$@"
-  touch "$OUT/.done-$name"
-}
+source "$(dirname "$0")/stages.sh"  # stage NAME COMMAND...: run once, resumable
 
 train() {  # train RUN_NAME CONFIG key=value...
   local run=$1 config=$2
