@@ -156,6 +156,24 @@ def test_eos_stops_a_row_and_pads_after_it():
         assert (got[row, stop:] == MASK_ID - 1).all()
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_row_that_stops_early_does_not_dilute_tokens_per_step(verify):
+    """AR decoding takes one token per step and row, whatever the batch: a row that stopped (EOS) while the others
+    go on is not counted in the steps after its stop."""
+    model = tiny_r2lm(seed=0)  # closed gates: verify=True decodes what AR does
+    ids, mask = left_padded()
+    options = dict(max_new_tokens=12, block_size=1) if not verify else dict(max_new_tokens=12, block_size=4, verify=True)
+    free = generate(model, ids, mask, eos_token_id=[], **options).sequences[:, ids.shape[1] :]
+    eos = int(free[0, 1])
+    assert not (free[1:] == eos).any() and not (free[0, :1] == eos).any()  # only row 0 stops, after its 2nd token
+    out = generate(model, ids, mask, eos_token_id=eos, pad_token_id=MASK_ID - 1, **options)
+    assert out.new_tokens == 2 + 12 + 12
+    if verify:  # the rows still decoding are each counted per iteration
+        assert out.row_steps < out.steps * 3
+    else:
+        assert out.row_steps == out.new_tokens and out.tokens_per_step == 1.0
+        assert out.tokens_per_forward == out.new_tokens / (out.new_tokens + 3)  # every row takes part in the prefill
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     model = peaky(**R2LM)
     ids, mask = left_padded()

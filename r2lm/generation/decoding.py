@@ -66,6 +66,7 @@ def decode(model, r: Request) -> GenerateOutput:
     stopper.stream(ids)
     steps_per_block = r.steps // r.num_blocks if r.steps else None
     step = end = 0
+    row_steps = torch.zeros((), dtype=torch.long, device=ids.device)  # read once, at the end: no sync per step
     context = open_context(model, r, canvas)
     try:
         for start in range(0, n, b):
@@ -79,6 +80,7 @@ def decode(model, r: Request) -> GenerateOutput:
             masked, window_masked, done = block == r.mask_id, inputs > 0, False  # a running row's new block: all [MASK]
             for i in range(end - start):  # at least one token per row and step: at most L steps
                 logits = context.read(start, window, end - start, clean=not window_masked)
+                row_steps += masked.any(1).sum()  # the rows this step decodes
                 tokens, conf = propose(logits, r.mask_id, r.temperature, r.top_k, r.top_p, r.confidence, r.generator)
                 take = select(conf, masked, r.threshold, r.factor, counts[:, i] if counts is not None else None)
                 block.copy_(torch.where(take, tokens, block))
@@ -102,4 +104,5 @@ def decode(model, r: Request) -> GenerateOutput:
         context.close()
     stopper.end()
     sequences = stopper.trim(canvas[:, : prompt_len + end], prompt_len)
-    return GenerateOutput(sequences=sequences, nfe=context.forwards, steps=step, new_tokens=stopper.count(end))
+    return GenerateOutput(sequences=sequences, nfe=context.forwards, steps=step, new_tokens=stopper.count(end),
+                          row_steps=int(row_steps))

@@ -14,17 +14,24 @@ class GenerateOutput(ModelOutput):
     nfe: int | None = None  # model forwards, prefill included
     steps: int | None = None  # denoising steps (forwards that unmasked tokens)
     new_tokens: int | None = None  # tokens decoded, summed over rows, up to each row's stop
+    row_steps: int | None = None  # denoising steps summed over the rows still decoding at each (a stopped row waits)
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens a row accepts per denoising step, averaged over rows."""
-        return self.new_tokens / max(self.steps * self.sequences.shape[0], 1)
+        """Tokens a row accepts per denoising step it takes part in, averaged over rows (rows that stopped early
+        while others decode do not dilute it)."""
+        return self.new_tokens / max(self._row_steps, 1)
 
     @property
     def tokens_per_forward(self) -> float:
-        """Tokens a row gains per model forward (prefill included), averaged over rows."""
-        return self.new_tokens / max(self.nfe * self.sequences.shape[0], 1)
+        """Tokens a row gains per model forward it takes part in (its denoising steps, plus the forwards every row
+        shares: the prefill and any commit that is not fused into a step), averaged over rows."""
+        shared = (self.nfe - self.steps) * self.sequences.shape[0]
+        return self.new_tokens / max(self._row_steps + shared, 1)
 
+    @property
+    def _row_steps(self) -> int:
+        return self.row_steps if self.row_steps is not None else self.steps * self.sequences.shape[0]
 
 @dataclass
 class StepInfo:

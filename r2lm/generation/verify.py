@@ -61,6 +61,7 @@ def decode_verified(model, r) -> GenerateOutput:
     reader = context.reader
     opener = ids[:, -1:]
     written = iterations = 0
+    row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
         draft, confidence = propose(reader.read(torch.cat([opener, masks], 1), 0, keep=slice(0, b)), r.mask_id)
         while written < n:
@@ -70,6 +71,7 @@ def decode_verified(model, r) -> GenerateOutput:
             guess, guess_confidence = propose(logits[:, b:], r.mask_id)
             agrees = (draft == ar).long().cumprod(1)
             agreed = torch.where(stopper.finished, b, agrees.sum(1))  # each row's accepted draft length
+            row_steps += (~stopper.finished).sum()
             k = int(agreed.min())  # the one host sync of an iteration
             if r.step_callback is not None:
                 r.step_callback(StepInfo(iterations, written, torch.ones_like(agrees, dtype=torch.bool), draft,
@@ -97,4 +99,5 @@ def decode_verified(model, r) -> GenerateOutput:
     stopper.end()
     end = min(written, n)
     sequences = stopper.trim(torch.cat([ids, out[:, :end]], 1), prompt_len)
-    return GenerateOutput(sequences=sequences, nfe=reader.forwards, steps=iterations, new_tokens=stopper.count(end))
+    return GenerateOutput(sequences=sequences, nfe=reader.forwards, steps=iterations, new_tokens=stopper.count(end),
+                          row_steps=int(row_steps))
