@@ -199,7 +199,7 @@ def flex_attention(q, k, v, sparse: BlockSparse, scale: float) -> torch.Tensor:
 def torch_flex_attention(q, k, v, sparse: BlockSparse, scale: float) -> torch.Tensor:
     """torch's compiled flex_attention on the BlockMask. On CPU, torch 2.13 compiles it for inference only."""
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("torch 2.13 has no flex_attention backward on CPU: use flex_attention (packed tiles)")
+        raise RuntimeError("torch 2.13 has no flex_attention backward on CPU: use flex_attention (packed tiles)")
     return _compiled_flex(q.device.type)(q, k, v, block_mask=sparse.block_mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
 
