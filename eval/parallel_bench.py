@@ -28,7 +28,6 @@ Writes parallel.json and parallel.png to --out and replaces the "Parallel decodi
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import statistics
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from eval.likelihood import heldout_nll, pack_texts, read_texts  # noqa: E402
 from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
+from r2lm.convert.to_hf import without_sidecars  # noqa: E402
 from r2lm.generation import ParallelismMeter  # noqa: E402
 
 logger = logging.getLogger("eval.parallel_bench")
@@ -70,15 +70,6 @@ def held_out_prompts(tokenizer, texts: list[str], count: int, length: int) -> to
     if len(rows) < count:
         raise ValueError(f"only {len(rows)} held-out documents have {length} tokens; {count} prompts were asked for")
     return torch.tensor(rows)
-
-
-def without_sidecars(model):
-    """The backbone alone (AR decoding is exact only without active sidecars)."""
-    plain = copy.deepcopy(model)
-    for layer in plain.model.layers:
-        layer.sidecar = None
-    plain.config.sidecar_layers = []
-    return plain
 
 
 # ---------------------------------------------------------------------------------------------- measurements

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, MaxLengthCriteria
 
 from r2lm import R2LMForDiffusionLM, generate
+from r2lm.convert.to_hf import without_sidecars
 from r2lm.generation import ParallelismMeter
 
 logger = logging.getLogger("eval.throughput")
@@ -52,10 +53,7 @@ def load_variants(args) -> dict:
     if args.ar:
         ar = load(args.ar)
     else:
-        ar = copy.deepcopy(r2lm)
-        for layer in ar.model.layers:  # the backbone alone: AR decoding is exact only without active sidecars
-            layer.sidecar = None
-        ar.config.sidecar_layers = []
+        ar = without_sidecars(r2lm)
     if args.bidirectional:
         bidir = load(args.bidirectional)
     else:

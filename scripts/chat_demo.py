@@ -14,7 +14,6 @@ generated tokens / s, tokens per forward and the ratio to AR.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
+from r2lm.convert.to_hf import without_sidecars  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
@@ -58,10 +58,7 @@ def main(argv=None) -> int:
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     ids, mask = batch.input_ids, batch.attention_mask
-    plain = copy.deepcopy(model)  # the backbone alone: AR decoding
-    for layer in plain.model.layers:
-        layer.sidecar = None
-    plain.config.sidecar_layers = []
+    plain = without_sidecars(model)  # the backbone alone: AR decoding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
     block = args.block_size or model.config.block_size

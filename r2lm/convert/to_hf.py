@@ -8,6 +8,7 @@ block_causal or bidirectional attention: those checkpoints are refused.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def architecture_of(config) -> str:
     if config.attention_bias == config.o_proj_bias:
         return "llama"
     raise ValueError("these attention biases match none of Qwen3, Qwen2 or Llama")
+
+
+def without_sidecars(model: R2LMForDiffusionLM) -> R2LMForDiffusionLM:
+    """A copy of `model` without its sidecars: the backbone alone, whose block-size-1 decoding is AR decoding
+    (exact only without active sidecars)."""
+    plain = copy.deepcopy(model)
+    for layer in plain.model.layers:
+        layer.sidecar = None
+    plain.config.sidecar_layers = []
+    return plain
 
 
 def transformers_backbone(model: R2LMForDiffusionLM):
