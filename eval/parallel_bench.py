@@ -3,7 +3,8 @@ against AR decoding, before and after parallelism training (certainty forcing), 
 
     python -m eval.parallel_bench --model r2lm=BEFORE,AFTER --model causal=BEFORE,AFTER \\
         [--reference smollm2=HF_FOLDER] --text HELDOUT [--thresholds 0.5 0.7 0.9] [--prompts 16]
-        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--batch-sizes 1 8] [--out docs/results]
+        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify-block-sizes 4 8] [--batch-sizes 1 8]
+        [--out docs/results]
         [--results-md docs/results.md]
 
 For every checkpoint (a model name's BEFORE and AFTER parallelism training), on the same held-out prompts (the
@@ -18,8 +19,8 @@ first --prompt-tokens tokens of held-out documents), greedy:
   text under the reference;
 - speed, at each batch size, in one interleaved run: R2LM at --speed-threshold, AR decoding of the same backbone
   (the model without its sidecars, block size 1, KV cache), transformers' generate on that backbone, and
-  verify=True (lossless: it must equal AR token for token; checked), as generated tokens / s and ratios to AR;
-  verify's accepted tokens per forward.
+  verify=True at each of --verify-block-sizes (its draft length; lossless: it must equal AR token for token;
+  checked), as generated tokens / s and ratios to AR; verify's accepted tokens per forward.
 
 Writes parallel.json and parallel.png to --out and replaces the "Parallel decoding" section of --results-md
 (between its markers) with tables rendered from the JSON (`render`, also used by scripts/make_results.py).
@@ -119,12 +120,14 @@ def speed(model, prompts, args, batch: int) -> dict:
         "ar": lambda: generate(plain, ids, max_new_tokens=n, block_size=1, eos_token_id=[]),
         "transformers": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                             min_new_tokens=n, do_sample=False, pad_token_id=0),
-        "verify": lambda: generate(model, ids, max_new_tokens=n, block_size=args.block_size, verify=True,
-                                   eos_token_id=[]),
     }
+    for b in args.verify_block_sizes:
+        runs[f"verify@{b}"] = lambda b=b: generate(model, ids, max_new_tokens=n, block_size=b, verify=True,
+                                                   eos_token_id=[])
     results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
     ar = results["ar"].sequences
-    checks = {"verify_is_ar": torch.equal(results["verify"].sequences, ar),
+    verified = [f"verify@{b}" for b in args.verify_block_sizes]
+    checks = {"verify_is_ar": all(torch.equal(results[v].sequences, ar) for v in verified),
               "ar_is_transformers": torch.equal(results["transformers"], ar)}
     times = {name: [] for name in runs}
     for _ in range(args.repeats):
@@ -136,7 +139,7 @@ def speed(model, prompts, args, batch: int) -> dict:
     return {"tokens_per_s": tps, "vs_ar": {k: v / tps["ar"] for k, v in tps.items()},
             "vs_transformers": {k: v / tps["transformers"] for k, v in tps.items()},
             "r2lm_tokens_per_forward": results["r2lm"].tokens_per_forward,
-            "verify_tokens_per_forward": results["verify"].tokens_per_forward, **checks}
+            "verify_tokens_per_forward": {v: results[v].tokens_per_forward for v in verified}, **checks}
 
 
 def measure(path: str, args, texts, reference=None) -> dict:
@@ -188,18 +191,22 @@ def render(results: dict) -> str:
         for name, stage, e in refs:
             for key, v in e["reference"].items():
                 lines.append(f"| {name} | {stage} | {key} | {v['agreement_with_reference']:.1%} | {v['reference_nll']:.3f} |")
+    lengths = ", ".join(str(b) for b in s.get("verify_block_sizes", []))
     lines += ["", f"Speed: generated tokens / s, R2LM at threshold {s['speed_threshold']}, AR = the same backbone "
               "without sidecars decoding one token per forward with the KV cache, transformers = its `generate` on "
-              "that backbone, verify = `verify=True` (lossless: its output is AR's, checked). Ratios to AR; one "
-              "interleaved run per batch size.", "",
-              "| model | stage | batch | R2LM / AR | verify / AR | AR / transformers | R2LM tokens/forward | "
-              "verify tokens/forward | verify == AR |", "|---|---|---|---|---|---|---|---|---|"]
+              f"that backbone, verify@b = `verify=True` with drafts of b tokens, b = {lengths} (lossless: its output "
+              "is AR's, checked). Ratios to AR; one interleaved run per batch size.", "",
+              f"| model | stage | batch | R2LM / AR | verify@{lengths} / AR | AR / transformers | R2LM tokens/forward | "
+              f"verify@{lengths} tokens/forward | verify == AR |", "|---|---|---|---|---|---|---|---|---|"]
     for name, stages in results["models"].items():
         for stage, e in stages.items():
             for batch, v in e["speed"].items():
-                lines.append(f"| {name} | {stage} | {batch} | {v['vs_ar']['r2lm']:.2f} | {v['vs_ar']['verify']:.2f} | "
+                verified = list(v["verify_tokens_per_forward"])
+                ratios = " / ".join(f"{v['vs_ar'][k]:.2f}" for k in verified)
+                per_forward = " / ".join(f"{v['verify_tokens_per_forward'][k]:.2f}" for k in verified)
+                lines.append(f"| {name} | {stage} | {batch} | {v['vs_ar']['r2lm']:.2f} | {ratios} | "
                              f"{v['vs_transformers']['ar']:.2f} | {v['r2lm_tokens_per_forward']:.2f} | "
-                             f"{v['verify_tokens_per_forward']:.2f} | {v['verify_is_ar']} |")
+                             f"{per_forward} | {v['verify_is_ar']} |")
     lines += ["", "![parallel decoding](results/parallel.png)"]
     return "\n".join(lines)
 
@@ -223,7 +230,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    labels, accepted, oracle, ratio = [], [], [], []
+    labels, accepted, oracle, ratio, verified = [], [], [], [], []
     top = f"{max(results['settings']['thresholds']):g}"
     for name, stages in results["models"].items():
         for stage, e in stages.items():
@@ -231,17 +238,22 @@ def plot(results: dict, path: Path) -> None:
             accepted.append(e["thresholds"][top]["accepted_tpf"])
             oracle.append(e["thresholds"][top]["oracle_tpf"])
             ratio.append([v["vs_ar"]["r2lm"] for v in e["speed"].values()])
+            verified.append([max(v["vs_ar"][k] for k in v["verify_tokens_per_forward"]) for v in e["speed"].values()])
     x = range(len(labels))
     left.bar([i - 0.2 for i in x], accepted, 0.4, label="accepted")
     left.bar([i + 0.2 for i in x], oracle, 0.4, label="oracle")
     left.set(title=f"tokens per step at threshold {top}", xticks=list(x), xticklabels=labels)
     left.legend()
     batches = results["settings"]["batch_sizes"]
+    width = 0.8 / (2 * len(batches))
     for j, b in enumerate(batches):
-        right.bar([i + (j - (len(batches) - 1) / 2) * 0.35 for i in x], [r[j] for r in ratio], 0.35, label=f"batch {b}")
+        for k, (values, what) in enumerate(((ratio, "threshold"), (verified, "verify, best b"))):
+            offset = (2 * j + k - (2 * len(batches) - 1) / 2) * width
+            right.bar([i + offset for i in x], [r[j] for r in values], width, label=f"{what}, batch {b}",
+                      hatch="//" if k else None)
     right.axhline(1.0, color="k", lw=0.8)
-    right.set(title="R2LM tokens/s / AR tokens/s", xticks=list(x), xticklabels=labels)
-    right.legend()
+    right.set(title="tokens/s / AR tokens/s", xticks=list(x), xticklabels=labels)
+    right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -259,6 +271,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--verify-block-sizes", type=int, nargs="+", default=[4, 8],
+                        help="verify=True's draft lengths (a verification forward reads b * (b + 2) columns)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nll-seq-len", type=int, default=256)

@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's")
+    parser.add_argument("--verify-block-size", type=int, default=4,
+                        help="verify=True's draft length (a verification forward reads b * (b + 2) columns)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     block = args.block_size or model.config.block_size
     with torch.no_grad():
         parallel, t_parallel = timed(lambda: generate(model, ids, mask, block_size=block, threshold=args.threshold, **options))
-        verified, t_verify = timed(lambda: generate(model, ids, mask, block_size=block, verify=True, **options))
+        verified, t_verify = timed(lambda: generate(model, ids, mask, block_size=args.verify_block_size, verify=True,
+                                                    **options))
         ar, t_ar = timed(lambda: generate(plain, ids, mask, block_size=1, **options))
         own = reference.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from conftest import tiny_r2lm
-from r2lm.generation.window import _Shape
+from r2lm.generation.window import _Shape, window_layout
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draw_masks.py"
 spec = importlib.util.spec_from_file_location("draw_masks", SCRIPT)
@@ -24,7 +24,8 @@ def test_the_decoding_panels_are_the_decoders_masks():
             model.prefill(torch.randint(0, 90, (1, window[2])), cache)
         for (_, layout, cached), commit in ((window, 0), (fused, block)):
             drawn = draw_masks.picture(layout, kind, False, cached) > 0
-            shape = _Shape(model, cache, layout.length, commit)  # the mask a WindowReader keeps for this forward
+            # the mask a WindowReader keeps for this forward
+            shape = _Shape(model, cache, window_layout(layout.length, commit), commit)
             shape.sync(cache)
             used = shape.mask[0, 0, :, : cached + layout.length] == 0
             assert torch.equal(drawn, used), (kind, commit)

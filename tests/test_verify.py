@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, TextStreamer
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.from_hf import convert_from_hf
 from r2lm.diffusion import compute_loss
+from r2lm.layout import Layout
 from r2lm.prefix import PrefixCache
 
 
@@ -89,6 +90,45 @@ def test_verify_with_stop_strings_streamer_and_prefix_cache(capsys):
         cached = generate(model, prompt, max_new_tokens=16, block_size=4, verify=True, eos_token_id=[], prefix_cache=cache)
         assert torch.equal(cached.sequences, ar.sequences)
     assert cache.stats.hit_tokens > 0
+
+
+def window_proposals(model, text, opener_at, b):
+    """Oracle, a full recompute: the proposals of the ordinary decoding window [text[opener_at], [MASK] * (b-1)]
+    read after the clean text before it."""
+    context, window = text[:, :opener_at], torch.cat([text[:, opener_at : opener_at + 1],
+                                                      text.new_full((1, b - 1), MASK_ID)], 1)
+    layout = Layout.cat(Layout.span(torch.ones_like(context)),
+                        Layout.span(torch.ones_like(window), start=opener_at, noisy=True, chunk=1))
+    logits = model(torch.cat([context, window], 1), layout=layout, logits_to_keep=slice(opener_at, None)).logits
+    logits[..., MASK_ID] = float("-inf")
+    return logits.argmax(-1)
+
+
+@pytest.mark.parametrize("b", [3, 4])
+def test_every_draft_is_the_window_read_at_the_committed_text(b):
+    """One forward verifies a draft and pre-drafts every outcome: after k accepted tokens and a rejection the next
+    draft is the window opened by the last accepted token (its proposals after the one AR decided, then a [MASK]);
+    after a full acceptance, the window opened by the last draft token. So every draft is conditioned on exactly
+    the committed text, never on rejected tokens."""
+    model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3], block_size=b)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    prompt = torch.randint(0, MASK_ID - 1, (1, 7), generator=torch.Generator().manual_seed(3))
+    seen = []
+    with torch.no_grad():
+        out = generate(model, prompt, max_new_tokens=20, block_size=b, verify=True, eos_token_id=[],
+                       step_callback=lambda info: seen.append((info.start, info.proposals.clone(), int(info.accepted.sum()))))
+        text, p = out.sequences, prompt.shape[1]
+        outcomes = {k for *_, k in seen}
+        assert len(seen) > 2 and min(outcomes) < b, outcomes  # rejections happen: the case under test
+        previous = b  # the first draft: the window opened by the prompt's last token
+        for start, draft, accepted in seen:
+            if previous == b:
+                assert torch.equal(draft, window_proposals(model, text, p + start - 1, b)), start
+            else:
+                assert torch.equal(draft[:, :-1], window_proposals(model, text, p + start - 2, b)[:, 1:]), start
+                assert int(draft[0, -1]) == MASK_ID
+            previous = accepted
 
 
 PATTERN = torch.tensor([7, 3, 11, 29, 5, 17, 23, 2, 13, 31, 19, 37])

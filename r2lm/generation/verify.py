@@ -8,19 +8,21 @@ by the draft d_s .. d_{s+j-1}, and writes exactly the keys and values AR decodin
 prefix that agrees with those logits' greedy choices is what AR decoding would have produced, and the greedy choice
 at the first disagreement is AR's next token.
 
-One forward per iteration verifies the current draft and drafts the next one (after TiDAR):
+One forward per iteration verifies the current draft and, for every way that verification can end, drafts the
+next one (after TiDAR's pre-drafting). With b the draft length and t = [x_{s-1}, d_s, .., d_{s+b-1}]:
 
-    columns   [x_{s-1}, d_s, .., d_{s+b-2}]          clean, causal: verification; its keys go to the cache
-              [d_{s+b-1}, [MASK] * (b-1)]             a window reading them: the draft of the next b tokens,
-                                                      made as if the whole draft were accepted
+    clean columns   t_0 .. t_{b-1}                      causal: verification; their keys go to the cache
+    window j        [t_j, [MASK] * (b-1)]  (j = 0 .. b)  sees the clean columns before t_j: the draft that follows
+                                                         if exactly d_s .. d_{s+j-1} are accepted
 
-- every row accepts its draft up to its first disagreement k; the batch commits min_k + 1 tokens per row (the
-  draft's agreed prefix and AR's own next token: for a row that agreed further, that token is its draft token), so
-  rows stay in lockstep and the cache holds keys and values of committed tokens only (it advances by the committed
-  columns; the rest of the forward's columns were scratch);
-- all b accepted: the window's draft is the next draft, exactly conditioned; otherwise the rest of the old draft
-  and the window's guesses, shifted, are the next draft: a draft needs no exactness (the next verification
-  checks it), so a rejection costs no extra forward.
+Each window is the ordinary decoding window (opened by the last committed token, the rest masked), so it drafts
+as the model was trained to. Every row accepts its draft up to its first disagreement k; the batch commits
+min_k + 1 tokens per row (the agreed prefix and AR's own next token: for a row that agreed further, that token
+is its draft token), so rows stay in lockstep and the cache keeps keys and values of committed tokens only (it
+advances by the committed columns; the rest of the forward's columns were scratch). The next draft is window k's
+proposals after the one AR just decided (b - 1 tokens and a [MASK] that no verification accepts), or, when the
+whole draft was accepted, window b's b proposals: in either case conditioned on exactly the committed text. Only
+the clean columns and the chosen window go through the LM head.
 
 The first draft takes one window-only forward. Greedy only (temperature 0); causal attention, `shift`, softmax
 layers (a block-hybrid layer folds its keys inside the forward, before the accepted length is known).
@@ -34,6 +36,7 @@ from r2lm.generation.contexts import ExactCache
 from r2lm.generation.outputs import GenerateOutput, StepInfo
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
+from r2lm.layout import Layout
 
 
 def check_verifiable(config, r) -> None:
@@ -49,6 +52,16 @@ def check_verifiable(config, r) -> None:
         raise ValueError("verify=True decodes with the exact cache (use_cache=True) and no suffix_ids")
 
 
+def verify_layout(b: int, device=None) -> Layout:
+    """The columns of one verification forward, positions relative to the cache's next position: clean column j
+    at position j in chunk 2j + 1 (so it sees the clean columns before it), then window j at positions
+    j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j), for j = 0 .. b."""
+    one, window = torch.ones(1, 1, device=device), torch.ones(1, b, device=device)
+    clean = [Layout.span(one, start=j, chunk=2 * j + 1) for j in range(b)]
+    windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in range(b + 1)]
+    return Layout.cat(*clean, *windows)
+
+
 def decode_verified(model, r) -> GenerateOutput:
     ids = r.input_ids
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
@@ -56,33 +69,38 @@ def decode_verified(model, r) -> GenerateOutput:
     out = ids.new_full((batch, n + b), r.pad_id)  # generated tokens (one iteration may overshoot by < b)
     stopper = Stopper(r, batch, ids.device)
     stopper.stream(ids)
-    masks = ids.new_full((batch, b - 1), r.mask_id)
-    context = ExactCache(model, r, extra_room=2 * b)
-    reader = context.reader
+    layout = verify_layout(b, ids.device)
+    windows = ids.new_full((batch, b + 1, b), r.mask_id)  # window j: [t_j, [MASK] * (b - 1)]
+    context = ExactCache(model, r, extra_room=layout.length + b)
+    reader, head = context.reader, model.lm_head
     opener = ids[:, -1:]
     written = iterations = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
-        draft, confidence = propose(reader.read(torch.cat([opener, masks], 1), 0, keep=slice(0, b)), r.mask_id)
+        draft, confidence = propose(reader.read(torch.cat([opener, windows[:, 0, 1:]], 1), 0, keep=slice(0, b)),
+                                    r.mask_id)
         while written < n:
-            logits = reader.read(torch.cat([opener, draft[:, :-1], draft[:, -1:], masks], 1), b, keep=slice(0, 2 * b),
-                                 advance=False)
-            ar = propose(logits[:, :b], r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
-            guess, guess_confidence = propose(logits[:, b:], r.mask_id)
+            t = torch.cat([opener, draft], 1)
+            windows[:, :, 0] = t
+            h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
+                            layout=layout, head=False)
+            logits = head(h[:, :b])
+            ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
             agrees = (draft == ar).long().cumprod(1)
             agreed = torch.where(stopper.finished, b, agrees.sum(1))  # each row's accepted draft length
             row_steps += (~stopper.finished).sum()
             k = int(agreed.min())  # the one host sync of an iteration
             if r.step_callback is not None:
                 r.step_callback(StepInfo(iterations, written, torch.ones_like(agrees, dtype=torch.bool), draft,
-                                         confidence, agrees.bool(), logits[:, :b]))
+                                         confidence, agrees.bool(), logits))
+            guess, guess_confidence = propose(head(h[:, b * (k + 1) : b * (k + 2)]), r.mask_id)  # window k
             if k == b:
                 committed, opener, draft, confidence = draft, draft[:, -1:], guess, guess_confidence
             else:
                 committed = torch.cat([draft[:, :k], ar[:, k : k + 1]], 1)
                 opener = ar[:, k : k + 1]
-                draft = torch.cat([draft[:, k + 1 :], guess[:, : k + 1]], 1)
-                confidence = torch.cat([confidence[:, k + 1 :], guess_confidence[:, : k + 1]], 1)
+                draft = torch.cat([guess[:, 1:], windows[:, 0, 1:2]], 1)  # a [MASK] last: no draft for it
+                confidence = torch.cat([guess_confidence[:, 1:], guess_confidence.new_zeros(batch, 1)], 1)
             reader.cache.advance(committed.shape[1])  # the clean columns of the committed tokens: their keys are exact
             block = out[:, written : written + committed.shape[1]]
             block.copy_(torch.where(stopper.finished[:, None], r.pad_id, committed))

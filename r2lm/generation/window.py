@@ -25,24 +25,31 @@ from r2lm.layout import Layout
 from r2lm.modeling_r2lm import ForwardPlan
 
 
-class _Shape:
-    """One forward shape: `commit` leading clean columns (appended to the cache), then a window of T - commit
-    columns; commit == T: a clean window, read and committed at once (no sidecar)."""
+def window_layout(width: int, commit: int, device=None) -> Layout:
+    """The usual forward shape: `commit` leading clean columns (appended to the cache), then a window of
+    width - commit columns; commit == width: a clean window, read and committed at once (no sidecar). Positions
+    are relative to the cache's next position."""
+    parts = []
+    if commit:
+        parts.append(Layout.span(torch.ones(1, commit, device=device), chunk=0))
+    if commit < width:
+        parts.append(Layout.span(torch.ones(1, width - commit, device=device), start=commit, noisy=True, chunk=1))
+    return Layout.cat(*parts)
 
-    def __init__(self, model, cache, width: int, commit: int):
+
+class _Shape:
+    """One forward shape, from its template Layout (positions relative to the cache's next position) and the
+    number of leading clean columns it commits."""
+
+    def __init__(self, model, cache, template: Layout, commit: int):
         config, device = model.config, cache.valid.device
-        parts = []
-        if commit:
-            parts.append(Layout.span(torch.ones(1, commit, device=device), chunk=0))
-        if commit < width:
-            parts.append(Layout.span(torch.ones(1, width - commit, device=device), start=commit, noisy=True, chunk=1))
-        template = Layout.cat(*parts)
         own, earlier = template.mask_parts(config.attention)
-        dtype = model.dtype
+        width, dtype = template.length, model.dtype
         self.inner = torch.zeros(1, 1, width, width, dtype=dtype, device=device).masked_fill(
             ~(own | earlier)[:, None], float("-inf"))
         self.own, self.earlier = (own[:, None], earlier[:, None]) if config.hybrid_layers else (None, None)
-        self.windows = slice(commit, width) if commit < width and config.sidecar_layers else None
+        self.windows = template.windows if config.sidecar_layers else None
+        self.offsets = template.positions[0].to(device)
         self.width, self.commit = width, commit
         self.mask = torch.full((cache.batch_size, 1, width, cache.max_length), float("-inf"), dtype=dtype, device=device)
         self.length = None  # the cache length the mask is in step with
@@ -64,34 +71,39 @@ class _Shape:
 class WindowReader:
     def __init__(self, model, cache, compile: bool = False):
         self.model, self.cache, self.static = model, cache, compile
-        self.shapes: dict[tuple[int, int], _Shape] = {}
-        self.offsets = torch.arange(cache.max_length, device=cache.valid.device)
+        self.shapes: dict = {}  # (width, commit) or a caller's template Layout -> _Shape
         self.forwards = 0
         self._run = torch.compile(self._logits, dynamic=False) if compile else self._logits
 
-    def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True) -> torch.Tensor:
+    def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True,
+             layout: Layout | None = None, head: bool = True) -> torch.Tensor:
         """Logits of the columns `keep` of ids [B, T], whose `commit` leading columns are clean context, appended
         to the cache (with `advance=False` the caller advances the cache itself, by as many of them as it keeps:
-        exact for softmax layers, whose keys are written either way)."""
+        exact for softmax layers, whose keys are written either way). `layout`: the forward's template when it
+        is not `window_layout(T, commit)` (positions relative to the cache's next position); keep passing the
+        same object, it is the key of the masks kept for it. `head=False`: the last hidden states of those columns
+        instead, for a caller that applies the LM head only to the columns it turns out to need."""
         cache, width = self.cache, ids.shape[1]
         cache.check_room(width)
-        shape = self.shapes.get((width, commit))
+        key = (width, commit) if layout is None else layout
+        shape = self.shapes.get(key)
         if shape is None:
-            shape = self.shapes[(width, commit)] = _Shape(self.model, cache, width, commit)
+            template = window_layout(width, commit, cache.valid.device) if layout is None else layout
+            shape = self.shapes[key] = _Shape(self.model, cache, template, commit)
         shape.sync(cache)
         length = cache.length
         keys = cache.max_length if self.static else length + width
-        positions = cache.next_position[:, None] + self.offsets[:width]
+        positions = cache.next_position[:, None] + shape.offsets
         cos, sin = self.model.model.rotary_emb(self.model.lm_head.weight, positions)
         plan = ForwardPlan(
             cos=cos, sin=sin, mask=shape.mask[..., :keys], own=shape.own, earlier=shape.earlier, windows=shape.windows,
             columns=cache.columns[length : length + width], keys=keys, commit=commit,
         )
-        logits = self._run(ids, plan, cache, keep)
+        out = self._run(ids, plan, cache, keep) if head else self.model.model(ids, plan, cache).last_hidden_state[:, keep]
         if commit and advance:
             cache.advance(commit)
         self.forwards += 1
-        return logits
+        return out
 
     def _logits(self, ids, plan: ForwardPlan, cache, keep: slice) -> torch.Tensor:
         h = self.model.model(ids, plan, cache).last_hidden_state

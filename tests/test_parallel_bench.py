@@ -1,0 +1,30 @@
+"""eval/parallel_bench.py end to end on tiny checkpoints: the JSON, the PNG and the results section come from one
+run, and the lossless checks it reports (verify == AR, AR == transformers) are the real comparisons."""
+
+import json
+
+from test_train_helpers import make_model_dir, write_corpus
+
+from eval import parallel_bench
+
+
+def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
+    before = make_model_dir(tmp_path / "before")
+    after = make_model_dir(tmp_path / "after")
+    _, heldout = write_corpus(tmp_path / "corpus", n_train=4, n_heldout=40)
+    results_md = tmp_path / "results.md"
+    results_md.write_text("# Results\n\nkept\n")
+    parallel_bench.main([
+        "--model", f"tiny={before},{after}", "--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8",
+        "--new-tokens", "8", "--block-size", "4", "--verify-block-sizes", "2", "3", "--batch-sizes", "1", "2",
+        "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2", "--threads", "1",
+        "--out", str(tmp_path / "out"), "--results-md", str(results_md)])
+    data = json.loads((tmp_path / "out" / "parallel.json").read_text())
+    speed = data["models"]["tiny"]["after"]["speed"]
+    assert set(speed) == {"1", "2"}
+    for v in speed.values():
+        assert v["verify_is_ar"] is True and v["ar_is_transformers"] is True
+        assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3"}
+    assert (tmp_path / "out" / "parallel.png").stat().st_size > 10_000
+    text = results_md.read_text()
+    assert text.startswith("# Results\n\nkept\n") and "verify@2, 3 / AR" in text and text.count(parallel_bench.BEGIN) == 1
