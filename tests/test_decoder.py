@@ -220,6 +220,9 @@ def test_compiled_step_equals_eager():
     eager = generate(model, ids, mask, max_new_tokens=12, block_size=6, threshold=0.6)
     compiled = generate(model, ids, mask, max_new_tokens=12, block_size=6, threshold=0.6, compile=True)
     assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
+    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True)  # its own forward shapes
+    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
 
 
 # ---------------------------------------------------------------------------------------------- the forward

@@ -73,7 +73,7 @@ class WindowReader:
         self.model, self.cache, self.static = model, cache, compile
         self.shapes: dict = {}  # (width, commit) or a caller's template Layout -> _Shape
         self.forwards = 0
-        self._run = torch.compile(self._logits, dynamic=False) if compile else self._logits
+        self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True,
              layout: Layout | None = None, head: bool = True) -> torch.Tensor:
@@ -99,12 +99,12 @@ class WindowReader:
             cos=cos, sin=sin, mask=shape.mask[..., :keys], own=shape.own, earlier=shape.earlier, windows=shape.windows,
             columns=cache.columns[length : length + width], keys=keys, commit=commit,
         )
-        out = self._run(ids, plan, cache, keep) if head else self.model.model(ids, plan, cache).last_hidden_state[:, keep]
+        out = self._run(ids, plan, cache, keep, head)
         if commit and advance:
             cache.advance(commit)
         self.forwards += 1
         return out
 
-    def _logits(self, ids, plan: ForwardPlan, cache, keep: slice) -> torch.Tensor:
-        h = self.model.model(ids, plan, cache).last_hidden_state
-        return self.model.lm_head(h[:, keep])
+    def _forward(self, ids, plan: ForwardPlan, cache, keep: slice, head: bool) -> torch.Tensor:
+        h = self.model.model(ids, plan, cache).last_hidden_state[:, keep]
+        return self.model.lm_head(h) if head else h
