@@ -4,9 +4,9 @@ forward's arguments, the composable forward, and bad generate() arguments."""
 
 import pytest
 import torch
+from conftest import MASK_ID, VOCAB, tiny_r2lm
 from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, MaxLengthCriteria, StoppingCriteria
 
-from conftest import MASK_ID, VOCAB, tiny_r2lm
 from r2lm import Layout, R2LMForDiffusionLM, R2LMModel, generate
 from r2lm.generation.sampling import propose, schedule
 from r2lm.prefix import PrefixCache

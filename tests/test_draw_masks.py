@@ -4,8 +4,8 @@ import importlib.util
 from pathlib import Path
 
 import torch
-
 from conftest import tiny_r2lm
+
 from r2lm.generation.window import _Shape, window_layout
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draw_masks.py"
