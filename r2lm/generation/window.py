@@ -2,7 +2,8 @@
 
 A decoder runs a handful of forward shapes over and over: the first window alone; a finished block's clean
 columns followed by the next window (the block is committed in the same forward that reads the window: "fused
-commit"); a clean window committed as it is read (the AR case). For each shape this keeps, for the whole call:
+commit"); a clean window committed as it is read (the AR case); verified decoding's clean draft followed by one
+window per way its verification can end (r2lm.generation.verify). For each shape this keeps, for the whole call:
 
 - the in-input attention predicate, from a template Layout of that shape (the Layout stays the one description
   of who sees whom), as an additive float mask;
