@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, TextStreamer
 
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.from_hf import convert_from_hf
+from r2lm.convert.to_hf import without_sidecars
 from r2lm.diffusion import compute_loss
 from r2lm.layout import Layout
 from r2lm.prefix import PrefixCache
@@ -73,10 +74,7 @@ def test_verify_with_stop_strings_streamer_and_prefix_cache(capsys):
     with torch.no_grad():
         model.lm_head.weight.mul_(30)
     prompt = tok("the quick brown", return_tensors="pt").input_ids
-    reference = copy.deepcopy(model)
-    for layer in reference.model.layers:
-        layer.sidecar = None
-    reference.config.sidecar_layers = []
+    reference = without_sidecars(model)
     ar = generate(reference, prompt, max_new_tokens=16, block_size=1, eos_token_id=[])
     text = tok.decode(ar.sequences[0, prompt.shape[1] :])
     stop = text[4:7]
