@@ -3,7 +3,7 @@ against AR decoding, before and after parallelism training (certainty forcing), 
 
     python -m eval.parallel_bench --model r2lm=BEFORE,AFTER --model causal=BEFORE,AFTER \\
         [--reference smollm2=HF_FOLDER] --text HELDOUT [--thresholds 0.5 0.7 0.9] [--prompts 16]
-        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify-block-sizes 4 8] [--batch-sizes 1 8]
+        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify 4 8 8:2 12:2] [--batch-sizes 1 8]
         [--out docs/results]
         [--results-md docs/results.md]
 
@@ -19,8 +19,9 @@ first --prompt-tokens tokens of held-out documents), greedy:
   text under the reference;
 - speed, at each batch size, in one interleaved run: R2LM at --speed-threshold, AR decoding of the same backbone
   (the model without its sidecars, block size 1, KV cache), transformers' generate on that backbone, and
-  verify=True at each of --verify-block-sizes (its draft length; lossless: it must equal AR token for token;
-  checked), as generated tokens / s and ratios to AR; verify's accepted tokens per forward.
+  verify=True at each of --verify (B: drafts of B tokens, every outcome pre-drafted; B:W: W drafting windows per
+  forward, `verify_windows`; lossless: it must equal AR token for token; checked), as generated tokens / s and
+  ratios to AR; verify's accepted tokens per forward.
 
 Writes parallel.json and parallel.png to --out and replaces the "Parallel decoding" section of --results-md
 (between its markers) with tables rendered from the JSON (`render`, also used by scripts/make_results.py).
@@ -121,12 +122,14 @@ def speed(model, prompts, args, batch: int) -> dict:
         "transformers": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                             min_new_tokens=n, do_sample=False, pad_token_id=0),
     }
-    for b in args.verify_block_sizes:
-        runs[f"verify@{b}"] = lambda b=b: generate(model, ids, max_new_tokens=n, block_size=b, verify=True,
-                                                   eos_token_id=[])
+    for spec in args.verify:
+        b, _, w = spec.partition(":")
+        options = dict(block_size=int(b), verify_windows=int(w) if w else None)
+        runs[f"verify@{spec}"] = lambda o=options: generate(model, ids, max_new_tokens=n, verify=True, eos_token_id=[],
+                                                            **o)
     results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
     ar = results["ar"].sequences
-    verified = [f"verify@{b}" for b in args.verify_block_sizes]
+    verified = [f"verify@{spec}" for spec in args.verify]
     checks = {"verify_is_ar": all(torch.equal(results[v].sequences, ar) for v in verified),
               "ar_is_transformers": torch.equal(results["transformers"], ar)}
     times = {name: [] for name in runs}
@@ -191,11 +194,13 @@ def render(results: dict) -> str:
         for name, stage, e in refs:
             for key, v in e["reference"].items():
                 lines.append(f"| {name} | {stage} | {key} | {v['agreement_with_reference']:.1%} | {v['reference_nll']:.3f} |")
-    lengths = ", ".join(str(b) for b in s.get("verify_block_sizes", []))
+    lengths = ", ".join(s["verify"])
     lines += ["", f"Speed: generated tokens / s, R2LM at threshold {s['speed_threshold']}, AR = the same backbone "
               "without sidecars decoding one token per forward with the KV cache, transformers = its `generate` on "
-              f"that backbone, verify@b = `verify=True` with drafts of b tokens, b = {lengths} (lossless: its output "
-              "is AR's, checked). Ratios to AR; one interleaved run per batch size.", "",
+              f"that backbone, verify@b = `verify=True` with drafts of b tokens, every outcome pre-drafted (b + 1 "
+              "windows), verify@b:w with w windows (`verify_windows`); here "
+              f"{lengths} (lossless: its output is AR's, checked). Ratios to AR; one interleaved run per batch size.",
+              "",
               f"| model | stage | batch | R2LM / AR | verify@{lengths} / AR | AR / transformers | R2LM tokens/forward | "
               f"verify@{lengths} tokens/forward | verify == AR |", "|---|---|---|---|---|---|---|---|---|"]
     for name, stages in results["models"].items():
@@ -271,8 +276,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--verify-block-sizes", type=int, nargs="+", default=[4, 8],
-                        help="verify=True's draft lengths (a verification forward reads b * (b + 2) columns)")
+    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "12:2"], metavar="B[:W]",
+                        help="verify=True's draft lengths B, each with W drafting windows (default B + 1: every "
+                             "outcome); a verification forward reads B * (W + 1) columns")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nll-seq-len", type=int, default=256)
@@ -281,6 +287,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
     args = parser.parse_args(argv)
+    for spec in args.verify:
+        b, _, w = spec.partition(":")
+        if not (b.isdigit() and (not w or w.isdigit())):
+            parser.error(f"--verify takes B or B:W (positive integers), got {spec!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM

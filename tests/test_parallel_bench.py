@@ -16,7 +16,7 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     results_md.write_text("# Results\n\nkept\n")
     parallel_bench.main([
         "--model", f"tiny={before},{after}", "--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8",
-        "--new-tokens", "8", "--block-size", "4", "--verify-block-sizes", "2", "3", "--batch-sizes", "1", "2",
+        "--new-tokens", "8", "--block-size", "4", "--verify", "2", "3:2", "--batch-sizes", "1", "2",
         "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2", "--threads", "1",
         "--out", str(tmp_path / "out"), "--results-md", str(results_md)])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())
@@ -24,7 +24,7 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     assert set(speed) == {"1", "2"}
     for v in speed.values():
         assert v["verify_is_ar"] is True and v["ar_is_transformers"] is True
-        assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3"}
+        assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3:2"}
     assert (tmp_path / "out" / "parallel.png").stat().st_size > 10_000
     text = results_md.read_text()
-    assert text.startswith("# Results\n\nkept\n") and "verify@2, 3 / AR" in text and text.count(parallel_bench.BEGIN) == 1
+    assert text.startswith("# Results\n\nkept\n") and "verify@2, 3:2 / AR" in text and text.count(parallel_bench.BEGIN) == 1

@@ -2,8 +2,6 @@
 sidecars off: transformers' greedy generate of the source checkpoint, for an R2LM converted from it with its sidecar
 gates open; and several tokens per forward once the drafter is good."""
 
-import copy
-
 import pytest
 import torch
 from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
@@ -46,14 +44,15 @@ def converted(request, tmp_path_factory):
     return hf, r2lm
 
 
-@pytest.mark.parametrize("block_size,new_tokens", [(4, 24), (5, 23), (8, 13), (1, 6)])
-def test_verify_is_transformers_greedy(converted, block_size, new_tokens):
+@pytest.mark.parametrize("block_size,new_tokens,windows", [(4, 24, None), (5, 23, None), (8, 13, None), (1, 6, None),
+                                                         (8, 21, 2), (5, 14, 4)])
+def test_verify_is_transformers_greedy(converted, block_size, new_tokens, windows):
     hf, r2lm = converted
     ids, mask = left_padded()
     greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                          eos_token_id=None)
     out = generate(r2lm, ids, mask, max_new_tokens=new_tokens, block_size=block_size, verify=True, eos_token_id=[],
-                   pad_token_id=0)
+                   pad_token_id=0, verify_windows=windows)
     assert torch.equal(out.sequences, greedy)
     assert out.nfe <= 1 + 1 + new_tokens  # prefill, the first draft, then at least one token per forward
 
@@ -102,39 +101,43 @@ def window_proposals(model, text, opener_at, b):
     return logits.argmax(-1)
 
 
-@pytest.mark.parametrize("b", [3, 4])
-def test_every_draft_is_the_window_read_at_the_committed_text(b):
-    """One forward verifies a draft and pre-drafts every outcome: after k accepted tokens and a rejection the next
-    draft is the window opened by the last accepted token (its proposals after the one AR decided, then a [MASK]);
-    after a full acceptance, the window opened by the last draft token. So every draft is conditioned on exactly
-    the committed text, never on rejected tokens."""
-    model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3], block_size=b)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)
-    prompt = torch.randint(0, MASK_ID - 1, (1, 7), generator=torch.Generator().manual_seed(3))
-    seen = []
-    with torch.no_grad():
-        out = generate(model, prompt, max_new_tokens=20, block_size=b, verify=True, eos_token_id=[],
-                       step_callback=lambda info: seen.append((info.start, info.proposals.clone(), int(info.accepted.sum()))))
-        text, p = out.sequences, prompt.shape[1]
-        outcomes = {k for *_, k in seen}
-        assert len(seen) > 2 and min(outcomes) < b, outcomes  # rejections happen: the case under test
-        previous = b  # the first draft: the window opened by the prompt's last token
-        for start, draft, accepted in seen:
-            if previous == b:
-                assert torch.equal(draft, window_proposals(model, text, p + start - 1, b)), start
-            else:
-                assert torch.equal(draft[:, :-1], window_proposals(model, text, p + start - 2, b)[:, 1:]), start
-                assert int(draft[0, -1]) == MASK_ID
-            previous = accepted
+@pytest.mark.parametrize("b,windows", [(3, None), (4, None), (4, 2), (5, 3)])
+def test_every_draft_is_the_window_read_at_the_committed_text(cycle_drafter, b, windows):
+    """One forward verifies a draft and pre-drafts the outcomes it has windows for: after k accepted tokens the next
+    draft is the window opened by the k-th committed token (every outcome drafted), else by the latest drafted one
+    before it, read from the first uncommitted position on, then [MASK]. So every draft is conditioned on the
+    committed text only, never on rejected tokens."""
+    off_cycle = torch.randint(0, MASK_ID - 1, (1, 7), generator=torch.Generator().manual_seed(3))
+    outcomes = list(range(b + 1)) if windows is None else [*range(windows - 1), b - 1]
+    accepted = set()
+    for prompt in (off_cycle, PATTERN[None, :7]):  # some, none and all of the drafts accepted
+        seen = []
+
+        def note(info, seen=seen):
+            seen.append((int(info.start[0]), info.proposals.clone(), int(info.accepted.sum())))
+
+        with torch.no_grad():
+            out = generate(cycle_drafter, prompt, max_new_tokens=20, block_size=b, verify=True,
+                           verify_windows=windows, eos_token_id=[], step_callback=note)
+            text, p = out.sequences, prompt.shape[1]
+            expected = window_proposals(cycle_drafter, text, p - 1, b)  # the first draft: opened by the prompt
+            for i, (start, draft, k) in enumerate(seen):
+                assert torch.equal(draft, expected), i
+                j, length = max(o for o in outcomes if o <= k), min(k + 1, b)
+                proposals = window_proposals(cycle_drafter, text, p + start - 1 + j, b)[:, length - j :]
+                expected = torch.cat([proposals, proposals.new_full((1, b - proposals.shape[1]), MASK_ID)], 1)
+        accepted |= {k for *_, k in seen}
+    assert {0, b} <= accepted and accepted - {0, b}, accepted  # the cases under test
+    assert windows is None or accepted - set(outcomes), accepted  # and outcomes with no window of their own
 
 
 PATTERN = torch.tensor([7, 3, 11, 29, 5, 17, 23, 2, 13, 31, 19, 37])
 
 
-def test_a_good_drafter_commits_several_tokens_per_forward():
-    """After a little block-diffusion training on a repeating cycle the window drafts what AR decoding produces:
-    whole drafts are accepted (and the next draft is the window's), and the output is still exactly AR's."""
+@pytest.fixture(scope="module")
+def cycle_drafter():
+    """A tiny R2LM after a little block-diffusion training on a repeating cycle: its window drafts what its AR
+    decoding produces on the cycle (and not on other text)."""
     torch.manual_seed(0)
     model = tiny_r2lm(sidecar_layers=[1, 3], block_size=4).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -146,18 +149,33 @@ def test_a_good_drafter_commits_several_tokens_per_forward():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
+    return model.eval()
+
+
+def test_a_good_drafter_commits_several_tokens_per_forward(cycle_drafter):
+    """Whole drafts are accepted (and the next draft is the window's), and the output is still exactly AR's."""
+    model = cycle_drafter
     prompt = PATTERN[(torch.arange(10) + 3) % 12][None].repeat(2, 1)
     prompt[1] = PATTERN[(torch.arange(10) + 7) % 12]
-    plain = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in plain.model.layers:
-            if layer.sidecar is not None:
-                layer.sidecar.gate.zero_()  # sidecars off: block size 1 is the model's AR decoding
-    ar = generate(plain, prompt, max_new_tokens=24, block_size=1, eos_token_id=[])
+    ar = generate(without_sidecars(model), prompt, max_new_tokens=24, block_size=1, eos_token_id=[])
     out = generate(model, prompt, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
     assert torch.equal(out.sequences, ar.sequences)
     assert out.tokens_per_forward > 2.0, out.tokens_per_forward
+
+
+def test_each_row_commits_its_own_accepted_length(cycle_drafter):
+    """In a batch, a row whose drafts are accepted is not held to the pace of one whose drafts are rejected: each
+    row takes as many verification forwards as it takes alone, and the batch as many as its slowest row."""
+    good = PATTERN[(torch.arange(10) + 3) % 12][None]
+    poor = torch.randint(0, MASK_ID - 1, (1, 10), generator=torch.Generator().manual_seed(1))
+    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
+             for p in (good, poor)]
+    both = generate(cycle_drafter, torch.cat([good, poor]), max_new_tokens=24, block_size=4, verify=True,
+                    eos_token_id=[])
+    assert alone[0].steps < alone[1].steps  # the case under test: the rows accept at different rates
+    assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
+    assert both.row_steps == alone[0].steps + alone[1].steps
+    assert both.steps == max(run.steps for run in alone)
 
 
 def test_verify_refuses_what_it_cannot_verify():
@@ -165,7 +183,11 @@ def test_verify_refuses_what_it_cannot_verify():
     cases = [(dict(attention="block_causal"), {}, "attention='causal'"),
              (dict(hybrid_layers=[1], hybrid_feature_dim=8), {}, "softmax attention layers"),
              ({}, dict(temperature=0.8), "does not sample"),
-             ({}, dict(use_cache=False), "exact cache")]
+             ({}, dict(use_cache=False), "exact cache"),
+             ({}, dict(verify_windows=1), "verify_windows must be an int in"),
+             ({}, dict(verify_windows=3, block_size=1), "verify_windows must be an int in")]
     for overrides, options, message in cases:
         with pytest.raises(ValueError, match=message):
             generate(tiny_r2lm(**overrides), ids, verify=True, **options)
+    with pytest.raises(ValueError, match="pass verify=True"):
+        generate(tiny_r2lm(), ids, verify_windows=2)

@@ -85,6 +85,7 @@ class Request:
     use_cache: bool
     compile: bool
     verify: bool
+    verify_windows: int | None  # verify=True: drafting windows per verification forward (None: block_size + 1)
     approximate_cache: str | None
     prefix_cache: object | None
     bicache: object | None
@@ -180,6 +181,13 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
                          f"tokens) exceeds the model's maximum length {config.max_position_embeddings}")
     use_cache, compile_, verify = (bool(o.get(k, default)) for k, default in
                                    (("use_cache", True), ("compile", False), ("verify", False)))
+    verify_windows = o.get("verify_windows")
+    if verify_windows is not None:
+        if not verify:
+            raise ValueError("verify_windows sets how verify=True drafts; pass verify=True")
+        if not (isinstance(verify_windows, int) and 2 <= verify_windows <= block_size + 1):
+            raise ValueError(f"verify_windows must be an int in [2, block_size + 1] = [2, {block_size + 1}], "
+                             f"got {verify_windows!r}")
     approximate_cache, prefix_cache, bicache = o.get("approximate_cache"), o.get("prefix_cache"), o.get("bicache")
     if approximate_cache not in (None, "prefix", "dual"):
         raise ValueError(f"approximate_cache must be None, 'prefix' or 'dual', got {approximate_cache!r}")
@@ -196,7 +204,8 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, block_size=block_size,
         threshold=threshold, factor=factor, steps=steps, confidence=confidence,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id, pad_id=pad_id,
-        eos_ids=eos, use_cache=use_cache, compile=compile_, verify=verify, approximate_cache=approximate_cache,
+        eos_ids=eos, use_cache=use_cache, compile=compile_, verify=verify, verify_windows=verify_windows,
+        approximate_cache=approximate_cache,
         prefix_cache=prefix_cache, bicache=bicache, suffix_ids=suffix, stop_strings=stop_strings, tokenizer=tokenizer,
         stopping_criteria=criteria, streamer=o.get("streamer"), step_callback=callback,
     )

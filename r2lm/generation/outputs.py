@@ -38,7 +38,7 @@ class StepInfo:
     """What a step callback sees of one denoising step: the block's generated positions [start, start + L)."""
 
     step: int  # index of the step in the call
-    start: int
+    start: int | torch.Tensor  # verify=True: [B], each row's own (rows commit their own lengths)
     masked: torch.Tensor  # [B, L] positions masked before the step
     proposals: torch.Tensor  # [B, L] the token each position would take
     confidence: torch.Tensor  # [B, L]

@@ -16,13 +16,23 @@ next one (after TiDAR's pre-drafting). With b the draft length and t = [x_{s-1},
                                                          if exactly d_s .. d_{s+j-1} are accepted
 
 Each window is the ordinary decoding window (opened by the last committed token, the rest masked), so it drafts
-as the model was trained to. Every row accepts its draft up to its first disagreement k; the batch commits
-min_k + 1 tokens per row (the agreed prefix and AR's own next token: for a row that agreed further, that token
-is its draft token), so rows stay in lockstep and the cache keeps keys and values of committed tokens only (it
-advances by the committed columns; the rest of the forward's columns were scratch). The next draft is window k's
-proposals after the one AR just decided (b - 1 tokens and a [MASK] that no verification accepts), or, when the
-whole draft was accepted, window b's b proposals: in either case conditioned on exactly the committed text. Only
-the clean columns and the chosen window go through the LM head.
+as the model was trained to. Each row accepts its draft up to its first disagreement k and commits k + 1 tokens
+(the agreed prefix and AR's own next token; all b when the whole draft agreed): the clean pass's greedy choices
+at its first k + 1 columns. The next draft is window k's proposals after the one AR just decided (b - 1
+tokens and a [MASK] that no verification accepts), or, when the whole draft was accepted, window b's b
+proposals: in either case conditioned on exactly the committed text. Only the clean columns and each row's
+chosen window go through the LM head.
+
+With `verify_windows` = w < b + 1 a forward reads only the windows of outcomes 0 .. w - 2 and b (a cheaper
+forward, b (w + 1) columns, where acceptance is mostly all or early rejection). After another outcome k the next
+draft comes from the latest window j < k: its proposals for the positions after the committed ones (conditioned
+on the committed text with [MASK] for t_{j+1} .. t_k), [MASK] for the rest.
+
+Rows commit their own lengths, so a batch is not held to its slowest row's acceptance. The cache stays one set of
+columns for all rows: a forward keeps as many clean columns as the row that committed most, and marks the
+columns a row did not commit as not valid, as left padding is (RoPE positions are per row), so every visible key
+and value is a committed token's. The cache grows by at most b columns per forward, and by no more than the rows
+commit together.
 
 The first draft takes one window-only forward. Greedy only (temperature 0); causal attention, `shift`, softmax
 layers (a block-hybrid layer folds its keys inside the forward, before the accepted length is known).
@@ -52,13 +62,23 @@ def check_verifiable(config, r) -> None:
         raise ValueError("verify=True decodes with the exact cache (use_cache=True) and no suffix_ids")
 
 
-def verify_layout(b: int, device=None) -> Layout:
+def drafted_outcomes(b: int, windows: int | None) -> list[int]:
+    """The accepted lengths whose next draft a verification forward reads, `windows` of them (default all b + 1).
+    Fewer: 0 .. windows - 2 (early rejections) and b - 1 (a draft whose last token is a [MASK] accepted up to it:
+    the steady state of a good drafter, committing b tokens); window b only serves a draft of b real tokens, which
+    only window b writes."""
+    if windows is None or windows > b:
+        return list(range(b + 1))
+    return [*range(windows - 1), b - 1]
+
+
+def verify_layout(b: int, outcomes: list[int], device=None) -> Layout:
     """The columns of one verification forward, positions relative to the cache's next position: clean column j
-    at position j in chunk 2j + 1 (so it sees the clean columns before it), then window j at positions
-    j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j), for j = 0 .. b."""
+    at position j in chunk 2j + 1 (so it sees the clean columns before it), then for each j in `outcomes` window j
+    at positions j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j)."""
     one, window = torch.ones(1, 1, device=device), torch.ones(1, b, device=device)
     clean = [Layout.span(one, start=j, chunk=2 * j + 1) for j in range(b)]
-    windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in range(b + 1)]
+    windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in outcomes]
     return Layout.cat(*clean, *windows)
 
 
@@ -66,56 +86,70 @@ def decode_verified(model, r) -> GenerateOutput:
     ids = r.input_ids
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
     check_verifiable(model.config, r)
-    out = ids.new_full((batch, n + b), r.pad_id)  # generated tokens (one iteration may overshoot by < b)
+    out = ids.new_full((batch, n + 2 * b), r.pad_id)  # generated tokens per row (a row may overshoot n by < b)
     stopper = Stopper(r, batch, ids.device)
     stopper.stream(ids)
-    layout = verify_layout(b, ids.device)
-    windows = ids.new_full((batch, b + 1, b), r.mask_id)  # window j: [t_j, [MASK] * (b - 1)]
-    context = ExactCache(model, r, extra_room=layout.length + b)
+    reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
+    outcomes = drafted_outcomes(b, r.verify_windows)
+    layout = verify_layout(b, outcomes, ids.device)
+    openers = torch.tensor(outcomes, device=ids.device)
+    windows = ids.new_full((batch, len(outcomes), b), r.mask_id)  # window j: [t_j, [MASK] * (b - 1)]
+    growth = min(n * b, batch * (n + b))  # cache columns the loop may keep (module docstring)
+    context = ExactCache(model, r, extra_room=growth - n + layout.length)
     reader, head = context.reader, model.lm_head
+    cols = torch.arange(b, device=ids.device)
     opener = ids[:, -1:]
-    written = iterations = 0
+    written = torch.zeros(batch, dtype=torch.long, device=ids.device)  # each row's committed tokens
+    iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
         draft, confidence = propose(reader.read(torch.cat([opener, windows[:, 0, 1:]], 1), 0, keep=slice(0, b)),
                                     r.mask_id)
-        while written < n:
+        while True:
+            done = stopper.finished | (written >= n)
+            if bool(done.all()):
+                break
             t = torch.cat([opener, draft], 1)
-            windows[:, :, 0] = t
+            windows[:, :, 0] = t[:, openers]
             h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
                             layout=layout, head=False)
             logits = head(h[:, :b])
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
             agrees = (draft == ar).long().cumprod(1)
-            agreed = torch.where(stopper.finished, b, agrees.sum(1))  # each row's accepted draft length
-            row_steps += (~stopper.finished).sum()
-            k = int(agreed.min())  # the one host sync of an iteration
+            agreed = agrees.sum(1)  # each row's accepted draft length k
+            length = torch.where(done, 0, (agreed + 1).clamp(max=b))  # tokens each row commits: ar[:, :length]
+            row_steps += (~done).sum()
             if r.step_callback is not None:
-                r.step_callback(StepInfo(iterations, written, torch.ones_like(agrees, dtype=torch.bool), draft,
+                r.step_callback(StepInfo(iterations, written.clone(), torch.ones_like(agrees, dtype=torch.bool), draft,
                                          confidence, agrees.bool(), logits))
-            guess, guess_confidence = propose(head(h[:, b * (k + 1) : b * (k + 2)]), r.mask_id)  # window k
-            if k == b:
-                committed, opener, draft, confidence = draft, draft[:, -1:], guess, guess_confidence
-            else:
-                committed = torch.cat([draft[:, :k], ar[:, k : k + 1]], 1)
-                opener = ar[:, k : k + 1]
-                draft = torch.cat([guess[:, 1:], windows[:, 0, 1:2]], 1)  # a [MASK] last: no draft for it
-                confidence = torch.cat([guess_confidence[:, 1:], guess_confidence.new_zeros(batch, 1)], 1)
-            reader.cache.advance(committed.shape[1])  # the clean columns of the committed tokens: their keys are exact
-            block = out[:, written : written + committed.shape[1]]
-            block.copy_(torch.where(stopper.finished[:, None], r.pad_id, committed))
+            # The next draft: the proposals of the latest drafted window opened at or before the row's accepted
+            # length k, from the first uncommitted position on, [MASK] after them (module docstring).
+            source = (openers <= agreed[:, None]).sum(1) - 1
+            chosen = (b * (source + 1))[:, None] + cols
+            guess, guess_confidence = propose(head(h.gather(1, chosen[..., None].expand(-1, -1, h.shape[-1]))),
+                                              r.mask_id)
+            ahead = (length - openers[source])[:, None] + cols  # window column of each next draft position
+            inside = ahead < b  # (a row that is done has length 0: its draft is never read)
+            ahead = ahead.clamp(0, b - 1)
+            draft = torch.where(inside, guess.gather(1, ahead), r.mask_id)
+            confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
+            opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
+            kept = cols < length[:, None]
+            reader.cache.advance(kept[:, : int(length.max())])  # the committed tokens' clean columns: exact keys
+            block = torch.where(kept, ar, r.mask_id)  # [MASK] after a row's commit: no EOS is read there
             stopper.check_eos(block, written)
-            written += block.shape[1]
+            out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
+            written += length
             iterations += 1
-            canvas = torch.cat([ids, out[:, : min(written, n)]], 1)
-            stopper.end_block(canvas, prompt_len, min(written, n))
-            stopper.stream(block[:, : max(0, n - written + block.shape[1])], written - block.shape[1])
-            if bool(stopper.finished.all()):
-                break
+            if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
+                aligned = int(torch.where(stopper.finished, n, written.clamp(max=n)).min())
+                stopper.end_block(torch.cat([ids, out[:, :aligned]], 1), prompt_len, aligned)
+                stopper.stream(out[:, streamed:aligned], streamed)
+                streamed = aligned
     finally:
         context.close()
     stopper.end()
-    end = min(written, n)
+    end = min(n, int(written.max()))
     sequences = stopper.trim(torch.cat([ids, out[:, :end]], 1), prompt_len)
     return GenerateOutput(sequences=sequences, nfe=reader.forwards, steps=iterations, new_tokens=stopper.count(end),
                           row_steps=int(row_steps))
