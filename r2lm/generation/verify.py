@@ -23,10 +23,11 @@ tokens and a [MASK] that no verification accepts), or, when the whole draft was 
 proposals: in either case conditioned on exactly the committed text. Only the clean columns and each row's
 chosen window go through the LM head.
 
-With `verify_windows` = w < b + 1 a forward reads only the windows of outcomes 0 .. w - 2 and b (a cheaper
-forward, b (w + 1) columns, where acceptance is mostly all or early rejection). After another outcome k the next
-draft comes from the latest window j < k: its proposals for the positions after the committed ones (conditioned
-on the committed text with [MASK] for t_{j+1} .. t_k), [MASK] for the rest.
+With `verify_windows` = w <= b a forward reads only the windows of outcomes 0 .. w - 2 and b - 1
+(`drafted_outcomes`): b (w + 1) columns, a cheaper forward where a draft is mostly accepted whole or rejected
+early. After an outcome k without a window the next draft comes from the latest window j < k: its proposals for
+the positions after the committed ones (conditioned on the committed text with [MASK] for t_{j+1} .. t_k), then
+[MASK].
 
 Rows commit their own lengths, so a batch is not held to its slowest row's acceptance. The cache stays one set of
 columns for all rows: a forward keeps as many clean columns as the row that committed most, and marks the
