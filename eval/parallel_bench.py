@@ -107,6 +107,22 @@ def reference_scores(reference, prompts, outputs: dict, new_tokens: int) -> dict
 
 
 @torch.no_grad()
+def verify_options(spec: str) -> dict:
+    """generate() options of a --verify entry: "B" (drafts of B tokens, every outcome pre-drafted) or "B:W"."""
+    b, _, w = spec.partition(":")
+    if not (b.isdigit() and (not w or w.isdigit())):
+        raise ValueError(f"--verify takes B or B:W (positive integers), got {spec!r}")
+    return dict(block_size=int(b), verify_windows=int(w) if w else None)
+
+
+def verify_spec(spec: str) -> str:
+    try:
+        verify_options(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def speed(model, prompts, args, batch: int) -> dict:
     """tokens/s of R2LM, AR (same backbone), transformers' generate and verify=True, interleaved."""
     from r2lm.convert.to_hf import transformers_backbone
@@ -123,8 +139,7 @@ def speed(model, prompts, args, batch: int) -> dict:
                                             min_new_tokens=n, do_sample=False, pad_token_id=0),
     }
     for spec in args.verify:
-        b, _, w = spec.partition(":")
-        options = dict(block_size=int(b), verify_windows=int(w) if w else None)
+        options = verify_options(spec)
         runs[f"verify@{spec}"] = lambda o=options: generate(model, ids, max_new_tokens=n, verify=True, eos_token_id=[],
                                                             **o)
     results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
@@ -276,7 +291,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "12:2"], metavar="B[:W]",
+    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "12:2"], metavar="B[:W]", type=verify_spec,
                         help="verify=True's draft lengths B, each with W drafting windows (default B + 1: every "
                              "outcome); a verification forward reads B * (W + 1) columns")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -287,10 +302,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
     args = parser.parse_args(argv)
-    for spec in args.verify:
-        b, _, w = spec.partition(":")
-        if not (b.isdigit() and (not w or w.isdigit())):
-            parser.error(f"--verify takes B or B:W (positive integers), got {spec!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM

@@ -106,10 +106,8 @@ def decode_verified(model, r) -> GenerateOutput:
     try:
         draft, confidence = propose(reader.read(torch.cat([opener, windows[:, 0, 1:]], 1), 0, keep=slice(0, b)),
                                     r.mask_id)
+        done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
         while True:
-            done = stopper.finished | (written >= n)
-            if bool(done.all()):
-                break
             t = torch.cat([opener, draft], 1)
             windows[:, :, 0] = t[:, openers]
             h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
@@ -136,17 +134,23 @@ def decode_verified(model, r) -> GenerateOutput:
             confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
             kept = cols < length[:, None]
-            reader.cache.advance(kept[:, : int(length.max())])  # the committed tokens' clean columns: exact keys
             block = torch.where(kept, ar, r.mask_id)  # [MASK] after a row's commit: no EOS is read there
             stopper.check_eos(block, written)
             out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
             written += length
             iterations += 1
+            done = stopper.finished | (written >= n)
+            widest, over = torch.stack([length.max(), done.all()]).tolist()  # the one host sync of an iteration
+            reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, n, written.clamp(max=n)).min())
                 stopper.end_block(torch.cat([ids, out[:, :aligned]], 1), prompt_len, aligned)
                 stopper.stream(out[:, streamed:aligned], streamed)
                 streamed = aligned
+                done = stopper.finished | (written >= n)
+                over = bool(done.all())
+            if over:
+                break
     finally:
         context.close()
     stopper.end()
