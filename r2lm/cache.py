@@ -165,6 +165,13 @@ class KVCache:
         self.valid[row, end - n : end] = source.valid[0, :n]
         self.next_position[row] = source.next_position[0]
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` (a [B] bool mask or row indices), in order: rows a decoder has finished leave
+        the batch, so later forwards do not compute them."""
+        for buffers in (self.key, self.value, self.S, self.Z):
+            buffers[:] = [None if t is None else t[keep] for t in buffers]
+        self.valid, self.next_position = self.valid[keep], self.next_position[keep]
+
     def rewind(self, length: int) -> None:
         """Forget committed columns from `length` on (approximate caches recompute from a block start)."""
         if not 0 <= length <= self.length:

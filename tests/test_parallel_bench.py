@@ -3,6 +3,7 @@ run, and the lossless checks it reports (verify == AR, AR == transformers) are t
 
 import json
 
+import pytest
 from test_train_helpers import make_model_dir, write_corpus
 
 from eval import parallel_bench
@@ -14,11 +15,10 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     _, heldout = write_corpus(tmp_path / "corpus", n_train=4, n_heldout=40)
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nkept\n")
-    parallel_bench.main([
-        "--model", f"tiny={before},{after}", "--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8",
-        "--new-tokens", "8", "--block-size", "4", "--verify", "2", "3:2", "--batch-sizes", "1", "2",
-        "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2", "--threads", "1",
-        "--out", str(tmp_path / "out"), "--results-md", str(results_md)])
+    common = ["--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8", "--block-size", "4",
+              "--batch-sizes", "1", "2", "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2",
+              "--threads", "1", "--out", str(tmp_path / "out"), "--results-md", str(results_md)]
+    parallel_bench.main(["--model", f"tiny={before},{after}", "--new-tokens", "8", "--verify", "2", "3:2", *common])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())
     speed = data["models"]["tiny"]["after"]["speed"]
     assert set(speed) == {"1", "2"}
@@ -28,3 +28,14 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     assert (tmp_path / "out" / "parallel.png").stat().st_size > 10_000
     text = results_md.read_text()
     assert text.startswith("# Results\n\nkept\n") and "verify@2, 3:2 / AR" in text and text.count(parallel_bench.BEGIN) == 1
+
+    # --update measures one model again and keeps the others as they were, under the same settings only
+    kept = data["models"]["tiny"]
+    with pytest.raises(ValueError, match="new_tokens"):
+        parallel_bench.main(["--model", f"again={after},{before}", "--new-tokens", "6", "--update", *common])
+    parallel_bench.main(["--model", f"again={after},{before}", "--new-tokens", "8", "--verify", "3", "--update",
+                         *common])
+    data = json.loads((tmp_path / "out" / "parallel.json").read_text())
+    assert list(data["models"]) == ["tiny", "again"] and data["models"]["tiny"] == kept
+    assert data["measured"]["tiny"]["verify"] == ["2", "3:2"] and data["measured"]["again"]["verify"] == ["3"]
+    assert "verify@2, 3:2, 3 / AR" in results_md.read_text()

@@ -178,6 +178,25 @@ def test_each_row_commits_its_own_accepted_length(cycle_drafter):
     assert both.steps == max(run.steps for run in alone)
 
 
+def test_finished_rows_leave_the_forward(cycle_drafter):
+    """Once a row has all its tokens it leaves the cache and the forwards (they compute only the rows still
+    decoding), and the rows that stay decode exactly as before."""
+    good = PATTERN[(torch.arange(10) + 3) % 12][None]
+    poor = torch.randint(0, MASK_ID - 1, (1, 10), generator=torch.Generator().manual_seed(1))
+    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
+             for p in (poor, good)]
+    rows = []
+    hook = cycle_drafter.model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    try:
+        both = generate(cycle_drafter, torch.cat([poor, good]), max_new_tokens=24, block_size=4, verify=True,
+                        eos_token_id=[])
+    finally:
+        hook.remove()
+    assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
+    fast, slow = alone[1].steps, alone[0].steps
+    assert rows == [2, 2] + [2] * fast + [1] * (slow - fast)  # prefill, first draft, then the verifications
+
+
 def test_verify_refuses_what_it_cannot_verify():
     ids = torch.tensor([[5, 6, 7]])
     cases = [(dict(attention="block_causal"), {}, "attention='causal'"),

@@ -33,7 +33,9 @@ Rows commit their own lengths, so a batch is not held to its slowest row's accep
 columns for all rows: a forward keeps as many clean columns as the row that committed most, and marks the
 columns a row did not commit as not valid, as left padding is (RoPE positions are per row), so every visible key
 and value is a committed token's. The cache grows by at most b columns per forward, and by no more than the rows
-commit together.
+commit together. A row that has finished (EOS, a stop, max_new_tokens) leaves the cache and the forwards
+(`WindowReader.keep_rows`; not under compile=True, where a new batch size would recompile), so a batch costs about
+its rows' own forwards rather than its slowest row's times the batch size.
 
 The first draft takes one window-only forward. Greedy only (temperature 0); causal attention, `shift`, softmax
 layers (a block-hybrid layer folds its keys inside the forward, before the accepted length is known).
@@ -83,6 +85,12 @@ def verify_layout(b: int, outcomes: list[int], device=None) -> Layout:
     return Layout.cat(*clean, *windows)
 
 
+def spread(x: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
+    """Per-row values of the rows still decoding (`rows`: their indices in the batch) as a whole batch, `fill` for
+    the rows that left."""
+    return x.new_full((batch, *x.shape[1:]), fill).index_copy_(0, rows, x)
+
+
 def decode_verified(model, r) -> GenerateOutput:
     ids = r.input_ids
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
@@ -101,6 +109,11 @@ def decode_verified(model, r) -> GenerateOutput:
     cols = torch.arange(b, device=ids.device)
     opener = ids[:, -1:]
     written = torch.zeros(batch, dtype=torch.long, device=ids.device)  # each row's committed tokens
+    # The rows still in the forward (indices into the batch): a finished row leaves the cache and the per-row
+    # state below, so it costs nothing while the others finish. Not under compile=True, where each batch size
+    # would be a recompilation.
+    rows = torch.arange(batch, device=ids.device)
+    leave = not r.compile
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
@@ -116,11 +129,13 @@ def decode_verified(model, r) -> GenerateOutput:
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
             agrees = (draft == ar).long().cumprod(1)
             agreed = agrees.sum(1)  # each row's accepted draft length k
-            length = torch.where(done, 0, (agreed + 1).clamp(max=b))  # tokens each row commits: ar[:, :length]
-            row_steps += (~done).sum()
+            live = ~done[rows]
+            length = torch.where(live, (agreed + 1).clamp(max=b), 0)  # tokens each row commits: ar[:, :length]
+            row_steps += live.sum()
             if r.step_callback is not None:
-                r.step_callback(StepInfo(iterations, written.clone(), torch.ones_like(agrees, dtype=torch.bool), draft,
-                                         confidence, agrees.bool(), logits))
+                seen = ((torch.ones_like(draft, dtype=torch.bool), 0), (draft, r.mask_id), (confidence, 0),
+                        (agrees.bool(), 0), (logits, 0))  # (masked, proposals, confidence, accepted, logits)
+                r.step_callback(StepInfo(iterations, written.clone(), *(spread(x, rows, batch, f) for x, f in seen)))
             # The next draft: the proposals of the latest drafted window opened at or before the row's accepted
             # length k, from the first uncommitted position on, [MASK] after them (module docstring).
             source = (openers <= agreed[:, None]).sum(1) - 1
@@ -134,13 +149,15 @@ def decode_verified(model, r) -> GenerateOutput:
             confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
             kept = cols < length[:, None]
-            block = torch.where(kept, ar, r.mask_id)  # [MASK] after a row's commit: no EOS is read there
+            # [MASK] after a row's commit (no EOS is read there), and for the rows that left
+            block = spread(torch.where(kept, ar, r.mask_id), rows, batch, r.mask_id)
             stopper.check_eos(block, written)
             out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
-            written += length
+            written.index_add_(0, rows, length)
             iterations += 1
             done = stopper.finished | (written >= n)
-            widest, over = torch.stack([length.max(), done.all()]).tolist()  # the one host sync of an iteration
+            # the one host sync of an iteration
+            widest, over, left = torch.stack([length.max(), done.all(), done[rows].any()]).tolist()
             reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, n, written.clamp(max=n)).min())
@@ -148,9 +165,13 @@ def decode_verified(model, r) -> GenerateOutput:
                 stopper.stream(out[:, streamed:aligned], streamed)
                 streamed = aligned
                 done = stopper.finished | (written >= n)
-                over = bool(done.all())
+                over, left = torch.stack([done.all(), done[rows].any()]).tolist()
             if over:
                 break
+            if left and leave:
+                stay = ~done[rows]
+                rows, draft, confidence, opener, windows = (x[stay] for x in (rows, draft, confidence, opener, windows))
+                reader.keep_rows(stay)
     finally:
         context.close()
     stopper.end()

@@ -106,6 +106,12 @@ class WindowReader:
         self.forwards += 1
         return out
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Drop the rows not in `keep` from the cache and from every kept mask (finished rows leave the batch)."""
+        self.cache.keep_rows(keep)
+        for shape in self.shapes.values():
+            shape.mask = shape.mask[keep]
+
     def _forward(self, ids, plan: ForwardPlan, cache, keep: slice, head: bool) -> torch.Tensor:
         h = self.model.model(ids, plan, cache).last_hidden_state[:, keep]
         return self.model.lm_head(h) if head else h
