@@ -197,6 +197,37 @@ def test_finished_rows_leave_the_forward(cycle_drafter):
     assert rows == [2, 2] + [2] * fast + [1] * (slow - fast)  # prefill, first draft, then the verifications
 
 
+def test_only_committed_tokens_are_valid_in_the_cache(cycle_drafter, monkeypatch):
+    """After verify=True the cache's valid columns of a row hold, in order, exactly the keys and values a prefill
+    of its committed text computes: every rejected draft token's column is invalid (here for the slow row of a
+    batch whose fast row committed more per forward, then left)."""
+    import r2lm.generation.verify as verify
+    from r2lm.cache import KVCache
+
+    contexts = []
+
+    class Recorded(verify.ExactCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    monkeypatch.setattr(verify, "ExactCache", Recorded)
+    poor = torch.randint(0, MASK_ID - 1, (1, 10), generator=torch.Generator().manual_seed(1))
+    good = PATTERN[(torch.arange(10) + 3) % 12][None]
+    out = generate(cycle_drafter, torch.cat([poor, good]), max_new_tokens=24, block_size=4, verify=True,
+                   eos_token_id=[])
+    cache = contexts[0].reader.cache
+    assert cache.batch_size == 1  # the fast row left
+    text = out.sequences[:1, :-1]  # every committed token but the last has been fed back
+    reference = KVCache(cycle_drafter.config, 1, text.shape[1], cycle_drafter.dtype, "cpu")
+    cycle_drafter.prefill(text, reference)
+    valid = cache.valid[0]
+    assert valid.sum() >= text.shape[1] and not valid[: cache.length].all()  # rejected columns were kept, invalid
+    for layer in range(cycle_drafter.config.num_hidden_layers):
+        for mine, theirs in ((cache.key[layer], reference.key[layer]), (cache.value[layer], reference.value[layer])):
+            torch.testing.assert_close(mine[0][:, valid][:, : text.shape[1]], theirs[0], atol=1e-5, rtol=1e-5)
+
+
 def test_verify_refuses_what_it_cannot_verify():
     ids = torch.tensor([[5, 6, 7]])
     cases = [(dict(attention="block_causal"), {}, "attention='causal'"),
