@@ -3,7 +3,7 @@ against AR decoding, before and after parallelism training (certainty forcing), 
 
     python -m eval.parallel_bench --model r2lm=BEFORE,AFTER --model causal=BEFORE,AFTER \\
         [--reference smollm2=HF_FOLDER] --text HELDOUT [--thresholds 0.5 0.7 0.9] [--prompts 16]
-        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify 4 8 8:2 12:2] [--batch-sizes 1 8]
+        [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify 4 8 8:2 8:3 12:2] [--batch-sizes 1 8]
         [--out docs/results] [--results-md docs/results.md] [--update]
 
 For every checkpoint (a model name's BEFORE and AFTER parallelism training), on the same held-out prompts (the
@@ -298,7 +298,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "12:2"], metavar="B[:W]", type=verify_spec,
+    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "8:3", "12:2"], metavar="B[:W]",
+                        type=verify_spec,
                         help="verify=True's draft lengths B, each with W drafting windows (default B + 1: every "
                              "outcome); a verification forward reads B * (W + 1) columns")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
