@@ -94,7 +94,7 @@ def test_block_size_one_is_transformers_greedy(arch, tmp_path):
     greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
     ours = generate(r2lm, ids, mask, max_new_tokens=24, block_size=1, eos_token_id=[], pad_token_id=0)
     assert torch.equal(ours.sequences, greedy)
-    assert ours.nfe == 1 + 24  # the prompt prefill, then one fused forward (read + commit) per token
+    assert ours.nfe == 24  # one forward (read + commit) per token, the first with the prompt
     eos = int(greedy[0, ids.shape[1] + 5])  # a token the first row emits: an EOS that must stop rows identically
     greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos)
     ours = generate(r2lm, ids, mask, max_new_tokens=24, block_size=1, eos_token_id=eos, pad_token_id=0)
@@ -172,7 +172,7 @@ def test_a_row_that_stops_early_does_not_dilute_tokens_per_step(verify):
         assert out.row_steps < out.steps * 3
     else:
         assert out.row_steps == out.new_tokens and out.tokens_per_step == 1.0
-        assert out.tokens_per_forward == out.new_tokens / (out.new_tokens + 3)  # every row takes part in the prefill
+        assert out.nfe == out.steps and out.tokens_per_forward == 1.0  # the prompt goes in with the first step
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     model = peaky(**R2LM)

@@ -194,7 +194,7 @@ def test_finished_rows_leave_the_forward(cycle_drafter):
         hook.remove()
     assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
     fast, slow = alone[1].steps, alone[0].steps
-    assert rows == [2, 2] + [2] * fast + [1] * (slow - fast)  # prefill, first draft, then the verifications
+    assert rows == [2] + [2] * fast + [1] * (slow - fast)  # the prompt with the first draft, then verifications
 
 
 def test_only_committed_tokens_are_valid_in_the_cache(cycle_drafter, monkeypatch):

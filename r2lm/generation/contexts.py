@@ -3,7 +3,8 @@ loop (r2lm.generation.decoding).
 
     ExactCache       causal / block_causal models: prompt and finished blocks as keys and values in a KVCache
                      (optionally resumed from a PrefixCache); a finished block is committed by the forward that
-                     reads the next window. Exact.
+                     reads the next window, and (causal softmax models) the prompt by the forward that reads the
+                     first window. Exact.
     Recompute        causal / block_causal, use_cache=False: the whole layout every read. The oracle of ExactCache.
     Canvas           bidirectional models (LLaDA, Dream): [prompt ; generated] re-encoded every read; with
                      approximate_cache="prefix" / "dual" Fast-dLLM's prefix / dual cache, with bicache=... BiCache's
@@ -53,14 +54,16 @@ class ExactCache:
         head, head_mask = _head(model, r)
         batch = r.input_ids.shape[0]
         room = r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1] + extra_room
-        self.pinned, forwards = [], 0
+        self.pinned, forwards, self.head = [], 0, None
         if r.prefix_cache is not None:  # rows resume from their cached prefixes
             rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
             self.prefix_cache = r.prefix_cache
             cache, self.pinned, forwards = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + room - head.shape[1])
         else:
             cache = KVCache(model.config, batch, room, model.dtype, model.device)
-            if head.shape[1]:
+            if head.shape[1] and model.config.attention == "causal" and not model.config.hybrid_layers:
+                self.head = (head, head_mask)  # appended by the forward that reads the first window
+            elif head.shape[1]:  # (the prompt on the block grid, or folded block by block: its own forward)
                 model.prefill(head, cache, attention_mask=head_mask)
                 forwards = 1
         self.reader = WindowReader(model, cache, compile=r.compile)
@@ -79,11 +82,31 @@ class ExactCache:
         if self.committed:  # the selection rules finish a block whose window is clean in that very step
             raise RuntimeError("a block whose clean window was committed still has [MASK] left")
         self.committed = clean and self.clean_commits
+        if self.head is not None:
+            return self._read_after_prompt(window, n)
         pending = 0 if self.pending is None else self.pending.shape[1]
         ids = window if self.pending is None else torch.cat([self.pending, window], 1)
         commit = pending + (window.shape[1] if self.committed else 0)
         self.pending = None
         return self.reader.read(ids, commit, keep=slice(pending, pending + n))
+
+    def _read_after_prompt(self, window, n):
+        """The first read: the prompt's head, appended to the cache, and the first window, in one forward (so a
+        generation takes no forward of its own for the prefill). A one-off shape, so the model's own forward,
+        not the reader's."""
+        (head, mask), self.head = self.head, None
+        cache, reader = self.reader.cache, self.reader
+        prompt = Layout.span(mask, start=cache.next_position)
+        after = Layout.span(torch.ones_like(window), start=cache.next_position + mask.sum(1), noisy=not self.committed,
+                            chunk=1)
+        commit = head.shape[1] + (window.shape[1] if self.committed else 0)
+        plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=commit)
+        first = head.shape[1]
+        reader.forwards += 1
+        logits = self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
+                            logits_to_keep=slice(first, first + n)).logits
+        reader.prepare(window.shape[1], window.shape[1] if self.committed else 0)  # the next read's shape
+        return logits
 
     def commit(self, window):
         if not self.committed:

@@ -11,7 +11,7 @@ from transformers.utils import ModelOutput
 @dataclass
 class GenerateOutput(ModelOutput):
     sequences: torch.LongTensor | None = None  # [batch, prompt + new]: like transformers' generate, padded after a stop
-    nfe: int | None = None  # model forwards, prefill included
+    nfe: int | None = None  # model forwards, the prompt's included (its own, or shared with the first step)
     steps: int | None = None  # denoising steps (forwards that unmasked tokens)
     new_tokens: int | None = None  # tokens decoded, summed over rows, up to each row's stop
     row_steps: int | None = None  # denoising steps summed over the rows still decoding at each (a stopped row waits)

@@ -117,7 +117,7 @@ def decode_verified(model, r) -> GenerateOutput:
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
-        draft, confidence = propose(reader.read(torch.cat([opener, windows[:, 0, 1:]], 1), 0, keep=slice(0, b)),
+        draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
                                     r.mask_id)
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
         while True:

@@ -86,11 +86,7 @@ class WindowReader:
         instead, for a caller that applies the LM head only to the columns it turns out to need."""
         cache, width = self.cache, ids.shape[1]
         cache.check_room(width)
-        key = (width, commit) if layout is None else layout
-        shape = self.shapes.get(key)
-        if shape is None:
-            template = window_layout(width, commit, cache.valid.device) if layout is None else layout
-            shape = self.shapes[key] = _Shape(self.model, cache, template, commit)
+        shape = self.prepare(width, commit, layout)
         shape.sync(cache)
         length = cache.length
         keys = cache.max_length if self.static else length + width
@@ -105,6 +101,15 @@ class WindowReader:
             cache.advance(commit)
         self.forwards += 1
         return out
+
+    def prepare(self, width: int, commit: int, layout: Layout | None = None) -> _Shape:
+        """The kept masks of a forward shape, built on first use (its set-up reads the host once: a caller that
+        knows the next shape can build it ahead, outside the steps)."""
+        key = (width, commit) if layout is None else layout
+        if key not in self.shapes:
+            template = window_layout(width, commit, self.cache.valid.device) if layout is None else layout
+            self.shapes[key] = _Shape(self.model, self.cache, template, commit)
+        return self.shapes[key]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Drop the rows not in `keep` from the cache and from every kept mask (finished rows leave the batch)."""
