@@ -54,7 +54,7 @@ def test_verify_is_transformers_greedy(converted, block_size, new_tokens, window
     out = generate(r2lm, ids, mask, max_new_tokens=new_tokens, block_size=block_size, verify=True, eos_token_id=[],
                    pad_token_id=0, verify_windows=windows)
     assert torch.equal(out.sequences, greedy)
-    assert out.nfe <= 1 + 1 + new_tokens  # prefill, the first draft, then at least one token per forward
+    assert out.nfe <= 1 + new_tokens  # the prompt with the first draft, then at least one token per forward
 
 
 def test_verify_stops_rows_at_eos_as_transformers(converted):

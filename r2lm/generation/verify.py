@@ -37,8 +37,9 @@ commit together. A row that has finished (EOS, a stop, max_new_tokens) leaves th
 (`WindowReader.keep_rows`; not under compile=True, where a new batch size would recompile), so a batch costs about
 its rows' own forwards rather than its slowest row's times the batch size.
 
-The first draft takes one window-only forward. Greedy only (temperature 0); causal attention, `shift`, softmax
-layers (a block-hybrid layer folds its keys inside the forward, before the accepted length is known).
+The first draft is read by the forward that appends the prompt (`ExactCache`; a window-only forward after a
+prefix-cache hit). Greedy only (temperature 0); causal attention, `shift`, softmax layers (a block-hybrid
+layer folds its keys inside the forward, before the accepted length is known).
 """
 
 from __future__ import annotations
