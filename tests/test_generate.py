@@ -54,6 +54,34 @@ def test_cached_equals_recompute(kind, rule):
     assert cached.steps < 21  # several tokens per step: the parallel path is exercised
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["window", "clean window"])
+def test_the_prompt_read_with_the_first_window_is_the_full_forward(clean):
+    """Invariant 2 for the first read of a causal model, which appends the left-padded prompt and reads the first
+    window in one forward: its logits are the recompute oracle's (1e-5), and the cache it leaves holds a
+    prefill's keys and values."""
+    from r2lm.cache import KVCache
+    from r2lm.generation.options import make_request
+
+    model = peaky(**(R2LM if not clean else dict(sidecar_layers=[])))
+    ids, mask = left_padded()
+    block = 1 if clean else 4
+    r = make_request(model, ids, mask, max_new_tokens=8, block_size=block)
+    window = ids[:, -1:] if clean else torch.cat([ids[:, -1:], torch.full((3, block - 1), MASK_ID)], 1)
+    exact, oracle = contexts.ExactCache(model, r), contexts.Recompute(model, r)
+    got = exact.read(0, window, block, clean=clean)
+    torch.testing.assert_close(got, oracle.read(0, window, block, clean=clean), atol=1e-5, rtol=1e-5)
+    assert exact.forwards == 1
+    cache = exact.reader.cache
+    reference = KVCache(model.config, 3, cache.max_length, model.dtype, "cpu")
+    model.prefill(ids if clean else ids[:, :-1], reference, attention_mask=mask if clean else mask[:, :-1])
+    assert cache.length == reference.length and torch.equal(cache.valid, reference.valid)
+    for layer in range(model.config.num_hidden_layers):
+        valid = cache.valid[:, None, : cache.length, None]
+        for mine, theirs in ((cache.key[layer], reference.key[layer]), (cache.value[layer], reference.value[layer])):
+            torch.testing.assert_close((mine[:, :, : cache.length] * valid), (theirs[:, :, : cache.length] * valid),
+                                       atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", [dict(attention="block_causal", sidecar_layers=[]),
                                   dict(sidecar_layers=[], hybrid_layers=[0, 2], hybrid_feature_dim=8)],
                          ids=["block_causal", "hybrid"])

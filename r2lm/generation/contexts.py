@@ -82,30 +82,28 @@ class ExactCache:
         if self.committed:  # the selection rules finish a block whose window is clean in that very step
             raise RuntimeError("a block whose clean window was committed still has [MASK] left")
         self.committed = clean and self.clean_commits
+        own = window.shape[1] if self.committed else 0  # the window's own columns this read commits
         if self.head is not None:
-            return self._read_after_prompt(window, n)
+            return self._read_after_prompt(window, n, own)
         pending = 0 if self.pending is None else self.pending.shape[1]
         ids = window if self.pending is None else torch.cat([self.pending, window], 1)
-        commit = pending + (window.shape[1] if self.committed else 0)
         self.pending = None
-        return self.reader.read(ids, commit, keep=slice(pending, pending + n))
+        return self.reader.read(ids, pending + own, keep=slice(pending, pending + n))
 
-    def _read_after_prompt(self, window, n):
+    def _read_after_prompt(self, window, n, own):
         """The first read: the prompt's head, appended to the cache, and the first window, in one forward (so a
-        generation takes no forward of its own for the prefill). A one-off shape, so the model's own forward,
-        not the reader's."""
+        generation takes no forward of its own for the prefill). A one-off shape (per-row padding), so the model's
+        own forward rather than the reader's kept masks."""
         (head, mask), self.head = self.head, None
         cache, reader = self.reader.cache, self.reader
-        prompt = Layout.span(mask, start=cache.next_position)
-        after = Layout.span(torch.ones_like(window), start=cache.next_position + mask.sum(1), noisy=not self.committed,
-                            chunk=1)
-        commit = head.shape[1] + (window.shape[1] if self.committed else 0)
-        plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=commit)
+        prompt = self.model.prompt_layout(mask, start=cache.next_position)
+        after = Layout.span(torch.ones_like(window), start=cache.next_position + mask.sum(1), noisy=not own, chunk=1)
+        plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=head.shape[1] + own)
         first = head.shape[1]
         reader.forwards += 1
         logits = self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
                             logits_to_keep=slice(first, first + n)).logits
-        reader.prepare(window.shape[1], window.shape[1] if self.committed else 0)  # the next read's shape
+        reader.prepare(window.shape[1], own)  # the next read's shape (same window, same commit), outside the steps
         return logits
 
     def commit(self, window):

@@ -88,7 +88,9 @@ def verify_layout(b: int, outcomes: list[int], device=None) -> Layout:
 
 def spread(x: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
     """Per-row values of the rows still decoding (`rows`: their indices in the batch) as a whole batch, `fill` for
-    the rows that left."""
+    the rows that left (x itself while no row has left)."""
+    if x.shape[0] == batch:
+        return x
     return x.new_full((batch, *x.shape[1:]), fill).index_copy_(0, rows, x)
 
 
