@@ -81,6 +81,25 @@ def setup_environment() -> tuple[int, int, int]:
     return rank, local_rank, world
 
 
+def init_distributed(rank: int, world: int) -> None:
+    """deepspeed.init_distributed, without its leak: where every rank is on one machine, DeepSpeed's CPU backend maps
+    a 64 MiB shared-memory allreduce workspace per rank (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_
+    <rank>) and never unlinks it, so each CPU run kept 64 MiB of RAM per rank until the machine rebooted. Every
+    rank's init maps every rank's workspace before it returns, so after a barrier each rank unlinks the name of its
+    own; the mappings stay valid until the processes end (a crash later leaves nothing behind either)."""
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.comm import comm
+
+    deepspeed.init_distributed(verbose=False)
+    mapped = getattr(comm.cdb, "shm_comm_op", None) is not None and os.environ.get("LOCAL_SIZE") == str(world)
+    dist.barrier()
+    if mapped:  # this run's workspace: the name its backend opened (O_CREAT) for this rank
+        name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                         os.environ.get("MASTER_PORT", ""), str(rank)])
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
 def setup_logging(rank: int, run_dir: Path | None) -> None:
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
@@ -496,12 +515,11 @@ def train(cfg: TrainConfig) -> Result:
     setup_logging(rank, None)
     plan = validate(cfg)  # bad input stops here, before the process group, the data or the model
 
-    import deepspeed
     from deepspeed import comm as dist
 
     from train.lock import RunLock
 
-    deepspeed.init_distributed(verbose=False)
+    init_distributed(rank, world)
     # one run per output_dir: rank 0 holds the lock for the run's ranks; a refused run stops on every rank
     lock = rank0_decides(lambda: RunLock(cfg.output_dir), rank, dist, share=False)
     try:
