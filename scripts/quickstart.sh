@@ -12,7 +12,8 @@
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
 #   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)
 #
-# Everything lands in DIR (default runs/quickstart), rebuilt on every run. The run holds a lock on DIR
+# Everything lands in DIR (default runs/quickstart), rebuilt on every run: a new or empty folder, or one an earlier
+# quickstart made (DIR/.quickstart); a folder holding anything else is refused untouched. The run holds a lock on DIR
 # (DIR/run.lock, util-linux flock) while it lasts: a second quickstart into the same DIR, or one into a DIR that
 # a training run inside it holds (DIR/*/run.lock, train/lock.py), stops with an error naming the holder instead
 # of deleting the folder under it. Two quickstarts at once need two folders. QUICKSTART_PORT sets the deepspeed
@@ -28,7 +29,15 @@ in_use() {  # $1: a lock file held by someone else
     "bash scripts/quickstart.sh DIR" >&2
   exit 1
 }
+# DIR is emptied and rebuilt, so it must be a quickstart's own: new, empty, or marked by an earlier quickstart
+MARK="$RUN/.quickstart"
+if [ -e "$RUN" ] && { [ ! -d "$RUN" ] || { [ ! -e "$MARK" ] && [ -n "$(ls -A -- "$RUN")" ]; }; }; then
+  echo "error: $RUN is not a quickstart's folder (it is not a folder, or it holds files and no $MARK); the" \
+    "quickstart empties its folder, so it leaves this one alone: choose a new or empty folder: bash scripts/quickstart.sh DIR" >&2
+  exit 1
+fi
 mkdir -p "$RUN"
+[ -e "$MARK" ] || echo "made by scripts/quickstart.sh, which empties and rebuilds this folder on every run" >"$MARK"
 exec 9>>"$RUN/run.lock"  # held until this script and its children end, however they end
 flock -n 9 || in_use "$RUN/run.lock"
 printf '{"pid": %d, "host": "%s", "started": "%s"}\n' $$ "${HOSTNAME:-$(uname -n)}" "$(date '+%Y-%m-%d %H:%M:%S %z')" >"$RUN/run.lock"
@@ -36,7 +45,7 @@ trap ': >"$RUN/run.lock"' EXIT  # the record goes with the lock (as train/lock.p
 while IFS= read -r -d '' lock; do  # training runs inside RUN (train/lock.py takes the same flock)
   flock -n "$lock" true || in_use "$lock"
 done < <(find "$RUN" -mindepth 2 -name run.lock -print0)
-find "$RUN" -mindepth 1 -maxdepth 1 ! -name run.lock -exec rm -rf {} +
+find "$RUN" -mindepth 1 -maxdepth 1 ! -name run.lock ! -name .quickstart -exec rm -rf {} +
 
 source scripts/env.sh
 step() { printf '\n=== %s\n' "$*"; }

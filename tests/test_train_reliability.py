@@ -261,6 +261,7 @@ def test_two_rank_launch_into_a_held_output_dir_stops_every_rank(inputs, tmp_pat
 def test_quickstart_leaves_a_folder_in_use_alone(tmp_path, holder, held, how):
     folder = tmp_path / "qs"
     (folder / "corpus").mkdir(parents=True)
+    (folder / ".quickstart").write_text("an earlier quickstart's folder\n")
     (folder / "corpus" / "train.txt").write_text("another run's data\n")
     proc = holder((folder / held).parent)
     args, env = (["bash", "scripts/quickstart.sh"], {"QUICKSTART_DIR": str(folder)}) if how == "env" else (
@@ -270,6 +271,25 @@ def test_quickstart_leaves_a_folder_in_use_alone(tmp_path, holder, held, how):
     assert f"is in use by another run: {{\"pid\": {proc.pid}" in result.stderr and str(folder / held) in result.stderr
     assert (folder / "corpus" / "train.txt").read_text() == "another run's data\n"
     assert "=== 1/5" not in result.stdout
+
+
+@pytest.mark.parametrize("how", ["env", "arg"])
+def test_quickstart_refuses_a_folder_it_did_not_make(tmp_path, how):
+    """The quickstart empties its folder: one holding the user's files (no .quickstart mark) is left as it was."""
+    folder = tmp_path / "mine"
+    (folder / "thesis").mkdir(parents=True)
+    (folder / "thesis" / "chapter1.tex").write_text("a draft\n")
+    args, env = (["bash", "scripts/quickstart.sh"], {"QUICKSTART_DIR": str(folder)}) if how == "env" else (
+        ["bash", "scripts/quickstart.sh", str(folder)], {})
+    result = run_cli(args, timeout=60, env=env)
+    assert result.returncode != 0
+    assert f"error: {folder} is not a quickstart's folder" in result.stderr
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == ["thesis", "thesis/chapter1.tex"]
+    file = tmp_path / "a_file"
+    file.write_text("not a folder\n")
+    result = run_cli(["bash", "scripts/quickstart.sh", str(file)], timeout=60)
+    assert result.returncode != 0 and f"error: {file} is not a quickstart's folder" in result.stderr
+    assert file.read_text() == "not a folder\n"
 
 
 # ---------------------------------------------------------------------------------------------- 14: training data
