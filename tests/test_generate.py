@@ -227,6 +227,41 @@ def test_streamer_and_stop_strings(capsys):
     assert capsys.readouterr().out.strip() == got.strip()
 
 
+def test_a_stop_string_before_an_eos_of_the_same_block_stops_the_row():
+    """The earlier stop wins (as in transformers' generate): a stop string complete after 2 tokens, an EOS that the
+    same block produces later."""
+    tok = tiny_tokenizer()
+    model = peaky(vocab_size=len(tok) + 1, mask_token_id=len(tok), **R2LM)
+    prompt = tok("the quick brown", return_tensors="pt").input_ids
+    free = generate(model, prompt, max_new_tokens=8, block_size=8, eos_token_id=[]).sequences[0, prompt.shape[1] :]
+    eos = next(int(t) for j, t in enumerate(free.tolist()) if j >= 3 and t not in free[:j].tolist())
+    stop = tok.decode(free[:2])
+    k = next(k for k in range(1, 9) if stop in tok.decode(free[:k]))
+    out = generate(model, prompt, max_new_tokens=8, block_size=8, eos_token_id=eos, tokenizer=tok, stop_strings=[stop])
+    assert out.new_tokens == k and torch.equal(out.sequences[0, prompt.shape[1] :][:k], free[:k])
+
+
+def test_the_stopper_searches_the_text_before_an_eos_it_has_not_seen_yet():
+    """verify=True checks stop strings on the text every row has (the slowest row's length): a row that an EOS
+    stopped further on is still searched up to that EOS as the text arrives."""
+    from types import SimpleNamespace
+
+    from r2lm.generation.stopping import Stopper
+
+    tok = tiny_tokenizer()
+    tokens = tok("one two three four five six", return_tensors="pt").input_ids[:, :6]
+    eos = int(tokens[0, 5])
+    r = SimpleNamespace(eos_ids=[eos], pad_id=0, mask_id=MASK_ID, stop_strings=[tok.decode(tokens[0, 2:4])],
+                        tokenizer=tok, streamer=None, stopping_criteria=[])
+    stopper = Stopper(r, 1, tokens.device)
+    stopper.check_eos(tokens.clone(), 0)
+    assert stopper.stop_at.tolist() == [6]  # the EOS
+    stopper.end_block(tokens, 0, 2)  # the text every row has: two tokens, the stop string is not complete
+    assert stopper.stop_at.tolist() == [6]
+    stopper.end_block(tokens, 0, 5)
+    assert stopper.stop_at.tolist() == [4]
+
+
 @pytest.mark.parametrize("cache", [None, "prefix", "dual"])
 @pytest.mark.parametrize("prediction", ["inplace", "shift"])
 def test_bidirectional_baselines(cache, prediction):

@@ -15,6 +15,7 @@ class Stopper:
         self.stop_strings, self.tokenizer, self.streamer = r.stop_strings, r.tokenizer, r.streamer
         self.criteria = r.stopping_criteria
         self.stop_at = torch.full((batch,), -1, dtype=torch.long, device=device)
+        self.checked = 0  # generated tokens [0, checked) of every row have been searched for stop strings
 
     @property
     def finished(self) -> torch.Tensor:
@@ -40,12 +41,16 @@ class Stopper:
             return False
         new = sequences[:, prompt_len : prompt_len + end]
         if self.stop_strings:
-            for row in torch.nonzero(~self.finished).flatten().tolist():
-                tokens = new[row].tolist()
+            # running rows, and rows an EOS stopped after the text searched so far: a stop string may complete
+            # before that EOS (the earlier stop wins, as in transformers' generate)
+            unsearched = ~self.finished | (self.stop_at > self.checked)
+            for row, stop in zip(torch.nonzero(unsearched).flatten().tolist(), self.stop_at[unsearched].tolist()):
+                tokens = new[row, : end if stop < 0 else min(stop, end)].tolist()
                 if any(s in self.tokenizer.decode(tokens) for s in self.stop_strings):
-                    k = next(k for k in range(1, end + 1)
+                    k = next(k for k in range(1, len(tokens) + 1)
                              if any(s in self.tokenizer.decode(tokens[:k]) for s in self.stop_strings))
                     self.stop_at[row] = k
+            self.checked = end
         for criterion in self.criteria:
             done = criterion(self.trim(sequences[:, : prompt_len + end], prompt_len), None)
             done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)
