@@ -44,7 +44,8 @@ class Stopper:
             # running rows, and rows an EOS stopped after the text searched so far: a stop string may complete
             # before that EOS (the earlier stop wins, as in transformers' generate)
             unsearched = ~self.finished | (self.stop_at > self.checked)
-            for row, stop in zip(torch.nonzero(unsearched).flatten().tolist(), self.stop_at[unsearched].tolist()):
+            for row in torch.nonzero(unsearched).flatten().tolist():
+                stop = int(self.stop_at[row])
                 tokens = new[row, : end if stop < 0 else min(stop, end)].tolist()
                 if any(s in self.tokenizer.decode(tokens) for s in self.stop_strings):
                     k = next(k for k in range(1, len(tokens) + 1)
