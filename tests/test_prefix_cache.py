@@ -126,3 +126,25 @@ def test_every_chosen_checkpoint_is_stored():
     generate(model, prompt[None], max_new_tokens=4, block_size=8, prefix_cache=cache)
     stored = {q for block in cache.blocks.values() for q in block.checkpoints}
     assert len(stored) == 3 and all((q + 1) % 8 == 0 for q in stored)  # the whole budget was kept
+
+
+@pytest.mark.parametrize("kind", [dict(attention="block_causal", sidecar_layers=[]),
+                                  dict(attention="block_causal", prediction="inplace", sidecar_layers=[2])],
+                         ids=["block_causal_shift", "block_causal_inplace"])
+@pytest.mark.parametrize("block_tokens", [1, 4, 8])
+def test_prompts_that_share_part_of_a_chunk_keep_their_own_keys(kind, block_tokens):
+    """Under block_causal attention a token's keys depend on the rest of its chunk: B, which shares its first
+    tokens (and, under shift, a whole cache block of 8) with A but not the whole chunk, must not be stored with A's
+    keys for them; B again then resumes from its own (the exact keys: output == no cache)."""
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, MASK_ID - 1, (4 if block_tokens < 8 else 8,), generator=g)
+    a, b = (torch.cat([shared, torch.randint(0, MASK_ID - 1, (14,), generator=g)])[None] for _ in range(2))
+    model = peaky(**kind)  # block_size 8
+    options = dict(max_new_tokens=8, block_size=4, threshold=0.7, eos_token_id=[])
+    plain = generate(model, b, **options).sequences
+    cache = PrefixCache(4096, block_tokens=block_tokens)
+    generate(model, a, prefix_cache=cache, **options)
+    assert torch.equal(generate(model, b, prefix_cache=cache, **options).sequences, plain)
+    hits = cache.stats.hit_tokens
+    assert torch.equal(generate(model, b, prefix_cache=cache, **options).sequences, plain)
+    assert cache.stats.hit_tokens > hits  # B again reused its own stored keys

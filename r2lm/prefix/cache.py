@@ -16,7 +16,9 @@ Blocks in use by a running request are pinned by reference counts; only unpinned
 can be evicted, in the order of an LRU or ARC policy (r2lm.prefix.eviction).
 
 Where chunks matter (block_causal attention, block-hybrid layers) a token's keys depend on its whole chunk, so
-reuse stops at the last chunk boundary a match reaches and only complete chunks are stored.
+reuse stops at the last chunk boundary a match reaches and only complete chunks are stored; and a block is keyed
+by its tokens and the rest of the chunk its last token is in, so two prompts that agree on a block but not on
+its whole chunk keep a block each (the keys of the shared tokens differ).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from r2lm.prefix.placement import DepthHistogram, place_checkpoints
 class Block:
     key: int
     parent: int | None
-    tokens: tuple
+    tokens: tuple  # the block's tokens, then (chunked models) the rest of its last token's chunk
     keys: list  # per layer [Hkv, block_tokens, head_dim], None for hybrid layers
     values: list
     checkpoints: dict = field(default_factory=dict)  # position -> per-layer (S, Z) (None for softmax layers)
@@ -107,6 +109,15 @@ class PrefixCache:
     def _chunked(config) -> bool:
         return config.attention == "block_causal" or bool(config.hybrid_layers)
 
+    def span(self, config, start: int) -> int:
+        """The end of the tokens the keys of the block at `start` depend on: its own, and under chunks the rest of
+        the chunk its last token is in."""
+        end = start + self.block_tokens
+        if not self._chunked(config):
+            return end
+        b, offset = config.block_size, int(config.prediction == "shift")
+        return -(-(end + offset) // b) * b - offset
+
     def boundary(self, config, n: int) -> int:
         """The deepest prefix length <= n whose keys do not depend on later tokens."""
         if not self._chunked(config):
@@ -120,11 +131,14 @@ class PrefixCache:
     def _hash(self, parent: int | None, tokens: tuple) -> int:
         return hash((parent, tokens))
 
-    def match(self, tokens: list[int]) -> list[Block]:
-        """The cached blocks covering the longest prefix of `tokens` made of full blocks (tokens compared)."""
+    def match(self, config, tokens: list[int]) -> list[Block]:
+        """The cached blocks covering the longest prefix of `tokens` made of full blocks (tokens compared, with
+        the rest of their chunks)."""
         found, parent, bt = [], None, self.block_tokens
         for start in range(0, len(tokens) - bt + 1, bt):
-            piece = tuple(tokens[start : start + bt])
+            if self.span(config, start) > len(tokens):
+                break
+            piece = tuple(tokens[start : self.span(config, start)])
             block = self.blocks.get(self._hash(parent, piece))
             if block is None:
                 break
@@ -137,7 +151,7 @@ class PrefixCache:
 
     def lookup(self, config, tokens: list[int]):
         """(blocks to pin, reusable length n, per-layer hybrid state at n or None) for one prompt."""
-        blocks = self.match(tokens)
+        blocks = self.match(config, tokens)
         matched = len(blocks) * self.block_tokens
         self.depths.observe(len(blocks))
         root = self._root(tokens)
@@ -208,7 +222,7 @@ class PrefixCache:
         parent, chain = None, []  # the chain is pinned while it grows: making room must not evict its own parent
         try:
             for start in range(0, usable - bt + 1, bt):
-                piece = tuple(tokens[start : start + bt])
+                piece = tuple(tokens[start : self.span(config, start)])  # within usable: it ends on a chunk boundary
                 key = self._hash(parent, piece)
                 block = self.blocks.get(key)
                 if block is not None and (block.tokens != piece or block.parent != parent):
