@@ -268,7 +268,10 @@ def test_the_reverse_mixer_is_the_flipped_causal_mixer():
 
 @pytest.mark.parametrize("args,message", [
     (dict(input_ids=torch.tensor([[5, VOCAB + 3, 6]])), "outside the vocabulary"),
-    (dict(input_ids=torch.tensor([[5, -1, 6]])), "outside the vocabulary"),
+    (dict(input_ids=torch.tensor([[5, -1, 6]])), "id -1 at a prompt token .row 0, column 1., outside the vocabulary"),
+    (dict(input_ids=torch.tensor([[-1, 5, 6]]), attention_mask=torch.tensor([[0, 1, 1]])),
+     "id -1 at a padding position .row 0, column 0., outside the vocabulary"),
+    (dict(eos_token_id=[3, MASK_ID]), f"eos_token_id includes the mask token id {MASK_ID}"),
     (dict(input_ids=torch.tensor([[5.0, 6.0]])), "integer token ids"),
     (dict(max_new_tokens=4.0), "max_new_tokens must be a positive integer"),
     (dict(max_new_tokens=True), "max_new_tokens must be a positive integer"),
@@ -289,6 +292,16 @@ def test_bad_generate_arguments(args, message):
     args = {"input_ids": torch.tensor([[5, 6, 7]]), **args}
     with pytest.raises(ValueError, match=message):
         generate(model, **args)
+
+
+def test_a_verify_draft_longer_than_max_new_tokens_is_cut_to_it():
+    """Its forwards would hold (block_size + 1) windows of block_size columns: a block_size of 600 for 5 tokens
+    is cut to 5 (same output: verify's is the greedy AR text whatever the draft)."""
+    model = peaky(**R2LM)
+    ids, mask = prompts()
+    want = generate(model, ids, mask, max_new_tokens=5, block_size=5, verify=True)
+    got = generate(model, ids, mask, max_new_tokens=5, block_size=600, verify=True, verify_windows=601)
+    assert torch.equal(got.sequences, want.sequences) and got.nfe == want.nfe
 
 
 def test_int32_ids_work():

@@ -153,6 +153,8 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
     mask_id = config.mask_token_id
     if mask_id is None:
         raise ValueError("the model has no mask_token_id; set config.mask_token_id")
+    if mask_id in eos:  # every [MASK] still to decode would read as an EOS
+        raise ValueError(f"eos_token_id includes the mask token id {mask_id}")
     real = attention_mask.bool()
     if (input_ids[real] == mask_id).any():
         row = int(torch.nonzero((input_ids == mask_id) & real)[0, 0])
@@ -188,6 +190,9 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
         if not (isinstance(verify_windows, int) and 2 <= verify_windows <= block_size + 1):
             raise ValueError(f"verify_windows must be an int in [2, block_size + 1] = [2, {block_size + 1}], "
                              f"got {verify_windows!r}")
+    if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
+        block_size = max_new_tokens
+        verify_windows = None if verify_windows is None else min(verify_windows, block_size + 1)
     approximate_cache, prefix_cache, bicache = o.get("approximate_cache"), o.get("prefix_cache"), o.get("bicache")
     if approximate_cache not in (None, "prefix", "dual"):
         raise ValueError(f"approximate_cache must be None, 'prefix' or 'dual', got {approximate_cache!r}")
@@ -232,10 +237,12 @@ def _check_prompt(config, input_ids, attention_mask):
         raise ValueError(f"row {int(torch.nonzero(lengths == 0)[0])} of the batch is all padding")
     if (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
         raise ValueError("prompts must be left-padded (padding before the tokens, none after)")
-    real = input_ids[attention_mask.bool()]
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= config.vocab_size):
-        bad = int(real[(real < 0) | (real >= config.vocab_size)][0])
-        raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {config.vocab_size})")
+    outside = (input_ids < 0) | (input_ids >= config.vocab_size)
+    if outside.any():  # padding slots too: they are embedded (and then hidden), so they must be token ids
+        row, col = (int(i) for i in torch.nonzero(outside)[0])
+        where = "a padding position" if attention_mask[row, col] == 0 else "a prompt token"
+        raise ValueError(f"input_ids holds token id {int(input_ids[row, col])} at {where} (row {row}, column {col}), "
+                         f"outside the vocabulary [0, {config.vocab_size})")
     return input_ids, attention_mask
 
 
