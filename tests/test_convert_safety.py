@@ -33,6 +33,7 @@ from r2lm.checkpoints import (
     parameter_bytes,
     read_manifest,
     verify_checkpoint,
+    writing,
 )
 from r2lm.convert.__main__ import main
 from r2lm.convert.from_hf import convert_from_hf
@@ -289,6 +290,78 @@ def test_an_older_conversions_output_can_still_be_overwritten(qwen3_src, tmp_pat
     assert R2LMConfig.from_pretrained(out).sidecar_layers == [1]
 
 
+def test_overwrite_keeps_what_a_user_changed_in_an_output(qwen3_src, tmp_path, capsys):
+    """An earlier output is replaceable only while every file is as its manifest recorded (sha256) and it holds
+    nothing else, not even an empty folder."""
+    convert = ["from-hf", str(qwen3_src)]
+    out = tmp_path / "out"
+    assert main([*convert, str(out)]) == 0
+    written = (out / "config.json").read_bytes()
+    (out / "config.json").write_bytes(written.replace(b"{", b'{"_note": "hand edited",', 1))
+    assert main([*convert, str(out), "--overwrite"]) == 2
+    assert "its config.json changed since r2lm wrote it (the sha256 differs from" in capsys.readouterr().err
+    assert b"hand edited" in (out / "config.json").read_bytes()
+    (out / "config.json").write_bytes(written)  # the edit undone: replaceable again
+
+    (out / "evals").mkdir()
+    assert main([*convert, str(out), "--overwrite"]) == 2
+    assert "holds files r2lm did not write (evals/)" in capsys.readouterr().err and (out / "evals").is_dir()
+    (out / "evals").rmdir()
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").mkdir()  # a listed file replaced by a folder of the same name
+    assert main([*convert, str(out), "--overwrite"]) == 2
+    assert "holds files r2lm did not write (tokenizer.json/)" in capsys.readouterr().err
+    (out / "tokenizer.json").rmdir()
+
+    assert main([*convert, str(out), *SIDECAR, "--overwrite"]) == 0
+    assert R2LMConfig.from_pretrained(out).sidecar_layers == [1]
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", ["user folder", "another output", "edited while converting", "output replaced"])
+def test_dst_is_checked_again_just_before_the_rename(qwen3_src, tmp_path, capsys, monkeypatch, case):
+    """DST may appear or change while a conversion writes (a user's folder, another conversion's output): the
+    rules of the start apply again at the end, and a DST that no longer passes them is kept as it is."""
+    convert = ["from-hf", str(qwen3_src)]
+    dst, other = tmp_path / "out", tmp_path / "other"
+    assert main([*convert, str(other)]) == 0  # another conversion's output
+    overwrite = ["--overwrite"] if case in ("edited while converting", "output replaced") else []
+    if overwrite:
+        assert main([*convert, str(dst)]) == 0  # an earlier output: replaceable when the conversion starts
+    seal = writing.seal
+
+    def meanwhile(folder):
+        seal(folder)
+        if case == "user folder":
+            dst.mkdir()
+            (dst / "results.txt").write_text("the user's")
+        elif case == "another output":
+            shutil.copytree(other, dst)
+        elif case == "edited while converting":
+            with open(dst / "config.json", "a") as f:
+                f.write(" ")
+        else:
+            shutil.rmtree(dst)
+            shutil.copytree(other, dst)
+
+    monkeypatch.setattr(writing, "seal", meanwhile)
+    before = folder_bytes(other) if case == "output replaced" else None
+    code = main([*convert, str(dst), *SIDECAR, *overwrite])
+    err = capsys.readouterr().err
+    assert hidden(tmp_path) == []  # no temporary or replaced folder left
+    if case == "output replaced":  # still an output r2lm wrote, and --overwrite was given: replaced
+        assert code == 0 and R2LMConfig.from_pretrained(dst).sidecar_layers == [1] and folder_bytes(dst) != before
+        return
+    assert code == 2 and "DST changed while this conversion ran, and its output was not kept: " in err, err
+    if case == "user folder":
+        assert "has no checksums.sha256" in err and [p.name for p in dst.iterdir()] == ["results.txt"]
+    elif case == "another output":
+        assert f"{dst} already exists; pass --overwrite" in err and folder_bytes(dst) == folder_bytes(other)
+    else:
+        assert "its config.json changed since r2lm wrote it" in err
+        assert (dst / "config.json").read_text().endswith(" ") and R2LMConfig.from_pretrained(dst).sidecar_layers == []
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_output_lists_its_files_with_their_checksums(command, request, tmp_path):
     """One manifest for every folder r2lm writes: sha256sum format, every file, checked by verify_checkpoint."""
@@ -413,6 +486,24 @@ def test_nan_and_inf_weights_are_named(command, request, tmp_path, capsys):
     assert main(conv.argv(tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert f"{src} has NaN or inf weights in 2 tensor(s): " in err and all(name in err for name in names), err
+    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+@pytest.mark.parametrize("command", ["from-hf", "to-hf", "to-hybrid", "merge-lora"])
+def test_unreadable_weights_are_named(command, damage, request, tmp_path, capsys):
+    """Every converter reads its source's weights through one reader: a clear error, not a SafetensorError or
+    OSError traceback, and nothing written."""
+    conv = conversion(command, request).copied_to(tmp_path / "in")
+    weights = conv.sources[0] / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
+        message = f"cannot read {weights}: "
+    else:
+        weights.unlink()
+        message = f"{conv.sources[0]} has no safetensors weights"
+    assert main(conv.argv(tmp_path / "out")) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
 
 

@@ -4,8 +4,10 @@ coming from the checkpoint's generation_config.json; one prompt streams, several
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +128,22 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
         main([str(tmp_path / "qwen3"), "--prompt", "x"])
     assert exit_.value.code == 2
     assert "is a 'qwen3' checkpoint, not an R2LM one; convert it first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_unreadable_weights_are_named(checkpoint, tmp_path, capsys, damage):
+    """A usage error naming the weights file, as the converters give, not a SafetensorError or OSError traceback."""
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "model"))
+    weights = copy / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
+        message = f"cannot read {weights}: "
+    else:
+        weights.unlink()
+        message = f"{copy} has no safetensors weights"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(copy), "--prompt", "x"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_help_lists_the_options():

@@ -84,6 +84,7 @@ def edit_config(adapter, tmp_path, **changes):
         ("not_lora", "holds a 'IA3' adapter; merge-lora merges LoRA adapters"),
         ("no_adapter", "is not a peft adapter folder: it has no adapter_config.json"),
         ("not_r2lm", "is not an R2LM checkpoint"),
+        ("unreadable_base", r"cannot read .*/truncated/model\.safetensors: "),
     ],
 )
 def test_bad_adapter_leaves_dst_untouched(base, adapter, tmp_path, case, message):
@@ -107,6 +108,12 @@ def test_bad_adapter_leaves_dst_untouched(base, adapter, tmp_path, case, message
 
         Qwen3ForCausalLM(tiny_hf_config("qwen3")).save_pretrained(tmp_path / "qwen3")
         src = tmp_path / "qwen3"
+    elif case == "unreadable_base":
+        import shutil
+
+        src = shutil.copytree(base, tmp_path / "truncated")
+        weights = src / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
     dst = tmp_path / "dst"
     with pytest.raises(ValueError, match=message):
         merge_lora(src, adapter, dst)

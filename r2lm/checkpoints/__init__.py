@@ -1,7 +1,8 @@
 """r2lm's on-disk formats, in one place: the converters (r2lm.convert), the training program (train/) and the CLIs
 read and write checkpoints only through this package.
 
-- hf:       HF-format folders: config.json, safetensors weights (NaN / inf refused), tokenizer files
+- hf:       HF-format folders: config.json, safetensors weights (unreadable files and NaN / inf refused),
+            tokenizer files
 - writing:  writing a folder: destination checks (sources, training folders, --overwrite, space), then atomically
             (temporary folder, sealed, swapped into place; killed writers' leftovers removed by the next writer)
 - manifest: checksums.sha256, the one manifest of every folder r2lm writes: it lists every file with its sha256,
@@ -12,10 +13,12 @@ read and write checkpoints only through this package.
 
 from r2lm.checkpoints.hf import (
     check_finite,
+    check_weights,
     copy_tokenizer_files,
     has_tokenizer,
     read_config,
     read_state_dict,
+    read_tensors,
     weight_files,
 )
 from r2lm.checkpoints.manifest import (
@@ -46,8 +49,9 @@ from r2lm.checkpoints.zero import export_deepspeed_checkpoint, load_fp32_state_d
 
 __all__ = [
     "LEGACY_MANIFEST", "MANIFEST", "OVERWRITE_HELP", "STATE_FILE", "DamagedCheckpointError", "atomic_output_dir",
-    "check_destination", "check_finite", "check_replaceable", "complete_checkpoints", "copy_tokenizer_files",
+    "check_destination", "check_finite", "check_replaceable", "check_weights", "complete_checkpoints", "copy_tokenizer_files",
     "export_deepspeed_checkpoint", "first_intact", "has_tokenizer", "latest_checkpoint", "load_fp32_state_dict",
-    "parameter_bytes", "read_config", "read_manifest", "read_state", "read_state_dict", "resolve_checkpoint", "seal",
+    "parameter_bytes", "read_config", "read_manifest", "read_state", "read_state_dict", "read_tensors", "resolve_checkpoint",
+    "seal",
     "tag_of", "verify_checkpoint", "weight_files", "write_checkpoint",
 ]

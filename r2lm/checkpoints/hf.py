@@ -6,12 +6,13 @@ the tokenizer files are only found and copied.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
@@ -44,17 +45,40 @@ def weight_files(src: Path) -> list[Path]:
 
 def read_state_dict(src: Path) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint folder, single file or sharded (model.safetensors.index.json)."""
+    state = {}
+    for path in check_weights(src):
+        state.update(read_tensors(path))
+    check_finite(state, src)
+    return state
+
+
+def check_weights(src: Path) -> list[Path]:
+    """The weight files of a checkpoint folder, each opened: a missing, truncated or padded file (safetensors
+    checks that the tensors its header lists cover the file exactly) is refused with a ValueError before anything
+    is loaded, for readers that load through transformers (whose errors name neither the file nor the problem)."""
     files = weight_files(src)
     if not files:
         raise ValueError(f"{src} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
-    state = {}
     for path in files:
-        try:
-            state.update(load_file(path))
-        except Exception as err:
-            raise ValueError(f"cannot read {path}: {err}") from err
-    check_finite(state, src)
-    return state
+        with _opened(path):
+            pass
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file. Raises ValueError naming the file."""
+    with _opened(path) as f:
+        return {name: f.get_tensor(name) for name in f.offset_keys()}
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """A safetensors file opened for reading, its failures (missing file, corrupt header or data) as ValueError."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except Exception as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
 
 
 def check_finite(tensors: dict[str, torch.Tensor], source) -> None:

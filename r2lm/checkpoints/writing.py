@@ -3,8 +3,9 @@
 A folder is written into a temporary folder beside it, `.DST.tmp-PID-TOKEN@HOST` (the writer's process and host: a
 later writer removes the leftovers of one that was killed, never those of a live one), which is sealed (the umask's
 permissions, the manifest listing every file with its sha256: r2lm.checkpoints.manifest) and renamed to DST when
-complete. --overwrite replaces only a folder with such a manifest and nothing else in it, or an empty folder: r2lm
-never deletes what it did not write, and never replaces a training run or checkpoint folder.
+complete. --overwrite replaces only a folder with such a manifest and nothing else in it, its files unchanged
+since, or an empty folder: r2lm never deletes what it did not write (nor a user's edit of what it wrote), and never
+replaces a training run or checkpoint folder. DST is checked before the work and again just before the rename.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import secrets
 import shutil
 import socket
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from r2lm.checkpoints.hf import copy_tokenizer_files, weight_files
-from r2lm.checkpoints.manifest import LEGACY_MANIFEST, MANIFEST, listed_files, seal
+from r2lm.checkpoints.manifest import LEGACY_MANIFEST, MANIFEST, listed_files, read_manifest, seal, sha256_of
 from r2lm.checkpoints.training import training_files
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def _overlap(dst: Path, src: Path) -> str | None:
 
 def check_replaceable(dst: Path, overwrite: bool) -> None:
     """Refuse an existing `dst` unless --overwrite is given and replacing it deletes only what r2lm wrote (a folder
-    holding its manifest and the files listed there) or nothing (an empty folder)."""
+    holding its manifest and the files listed there, as it wrote them) or nothing (an empty folder)."""
     dst = Path(dst)
     if not os.path.lexists(dst):
         return
@@ -88,25 +89,44 @@ def check_replaceable(dst: Path, overwrite: bool) -> None:
 
 
 def _not_written_by_us(dst: Path) -> str | None:
-    """Why replacing the existing `dst` could delete something r2lm did not write; None if it cannot."""
+    """Why replacing the existing `dst` could delete something r2lm did not write; None if it cannot: every entry
+    is a file its manifest lists, unchanged (the sha256 recorded there; an older conversion's r2lm_manifest.json
+    has names only), or a folder holding such files."""
     if dst.is_symlink():
         return "is a symbolic link"
     if not dst.is_dir():
         return "is a file, not a folder"
     if next(dst.iterdir(), None) is None:
         return None
-    try:
-        listed = listed_files(dst)  # before walking it: DST may be a home folder
+    try:  # before walking it: DST may be a home folder
+        digests = read_manifest(dst)
+        listed = set(digests) if digests is not None else listed_files(dst)
     except ValueError as err:
         return f"has a manifest that cannot be read ({err})"
     if listed is None:
         return f"has no {MANIFEST} (nor an older {LEGACY_MANIFEST}): it was not written by r2lm"
-    present = {str(p.relative_to(dst)) for p in dst.rglob("*") if not p.is_dir() or p.is_symlink()}
-    extra = sorted(present - listed - {MANIFEST, LEGACY_MANIFEST})
+    holders = {str(parent) for name in listed for parent in PurePosixPath(name).parents}
+    ours = listed | {MANIFEST, LEGACY_MANIFEST}
+    extra = []
+    for path in sorted(dst.rglob("*")):
+        name = path.relative_to(dst).as_posix()
+        is_file, is_dir = path.is_file() and not path.is_symlink(), path.is_dir() and not path.is_symlink()
+        if not (is_file and name in ours or is_dir and name in holders):
+            extra.append(f"{name}/" if is_dir else name)
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         return f"holds files r2lm did not write ({', '.join(extra[:5])}{more})"
+    changed = _changed_files(dst, digests or {})
+    if changed:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return (f"its {', '.join(changed[:5])}{more} changed since r2lm wrote it (the sha256 differs from {MANIFEST}): "
+                "an edit that --overwrite would throw away")
     return None
+
+
+def _changed_files(dst: Path, digests: dict[str, str]) -> list[str]:
+    """The files of `dst` whose sha256 differs from `digests` (those present: a missing one loses nothing)."""
+    return [name for name in sorted(digests) if (dst / name).is_file() and sha256_of(dst / name) != digests[name]]
 
 
 def _check_writable(dst: Path, needed_bytes: int) -> None:
@@ -182,7 +202,7 @@ def atomic_output_dir(dst: Path, overwrite: bool = False):
         tmp.mkdir()
         yield tmp
         seal(tmp)
-        _swap_into_place(tmp, dst)
+        _swap_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -194,9 +214,16 @@ def _private_path(dst: Path, kind: str) -> Path:
     return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}@{_HOST}")
 
 
-def _swap_into_place(tmp: Path, dst: Path) -> None:
+def _swap_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Rename `tmp` to `dst`. An existing `dst` is renamed aside first and removed last, so `dst` is always the old
-    folder or the new one; a failure (or SIGTERM) between the two renames puts the old one back."""
+    folder or the new one; a failure (or SIGTERM) between the two renames puts the old one back.
+
+    `dst` is checked again first, by the same rules as before the work: it may have appeared or changed while the
+    output was written (a user's folder, another conversion's output), and only what is replaceable now is."""
+    try:
+        check_replaceable(dst, overwrite)
+    except ValueError as err:
+        raise ValueError(f"DST changed while this conversion ran, and its output was not kept: {err}") from None
     if not os.path.lexists(dst):
         os.rename(tmp, dst)
         return

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
-    """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder: transformers would take
-    a missing path for a hub repo id and fail with a message about repo ids."""
-    from r2lm.checkpoints import read_config
+    """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder with readable weights:
+    transformers would take a missing path for a hub repo id and fail with a message about repo ids, and a
+    corrupt weights file with a traceback."""
+    from r2lm.checkpoints import check_weights, read_config
 
     folder = Path(checkpoint)
     if not folder.is_dir():
@@ -63,6 +64,10 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
     if model_type != "r2lm":
         parser.error(f"{checkpoint} is a {model_type!r} checkpoint, not an R2LM one; convert it first "
                      "(r2lm-convert from-hf ...)")
+    try:
+        check_weights(folder)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from r2lm.checkpoints import check_destination, check_finite, read_config, write_checkpoint
+from r2lm.checkpoints import check_destination, check_finite, check_weights, read_config, read_tensors, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def read_adapter(adapter: Path):
     """(LoraConfig, weights) of a peft adapter folder. Raises ValueError."""
-    from safetensors.torch import load_file
-
     try:
         from peft import LoraConfig, PeftType
     except ImportError as err:
@@ -49,10 +47,7 @@ def read_adapter(adapter: Path):
         raise ValueError(f"{adapter / ADAPTER_CONFIG} is not a usable LoRA config: {err}") from None
     if not (adapter / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"{adapter} has no {ADAPTER_WEIGHTS}")
-    try:
-        weights = load_file(adapter / ADAPTER_WEIGHTS)
-    except Exception as err:
-        raise ValueError(f"cannot read {adapter / ADAPTER_WEIGHTS}: {err}") from None
+    weights = read_tensors(adapter / ADAPTER_WEIGHTS)
     check_finite(weights, adapter)
     return config, weights
 
@@ -95,6 +90,7 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
     dst = check_destination(dst, [src, adapter], overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (r2lm-convert from-hf ...)")
+    check_weights(src)
     config, weights = read_adapter(adapter)
     base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
     check_finite(base.state_dict(), src)

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from r2lm import R2LMForDiffusionLM
-from r2lm.checkpoints import check_destination, check_finite, read_config, write_checkpoint
+from r2lm.checkpoints import check_destination, check_finite, check_weights, read_config, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
     dst = check_destination(dst, [src], overwrite)
     if read_config(src).get("model_type") != "r2lm":
         raise ValueError(f"{src} is not an R2LM checkpoint")
+    check_weights(src)
     model = R2LMForDiffusionLM.from_pretrained(src)
     check_finite(model.state_dict(), src)
     hf = transformers_backbone(model)
