@@ -245,6 +245,74 @@ def test_lock_of_a_dead_process_does_not_block(inputs, tmp_path):
     assert result.step == 1 and (out / LOCK_FILE).read_text() == ""  # released at the end
 
 
+def test_a_run_never_overwrites_the_model_it_trains(stopped_run, inputs, tmp_path):
+    """The export replaces output_dir/final: a run of the model in final/ (a finished run's, its checkpoints
+    deleted) into that same output_dir is refused before anything is written; so is an output_dir in the model."""
+    out = copy_run(stopped_run, tmp_path / "run")
+    shutil.copytree(inputs[1], out / "final")  # an exported model (the run's source model stands in for it)
+    shutil.rmtree(out / "checkpoints")
+    before = listing(out)
+    items = overrides(inputs, out, "steps=1")
+    items = [i for i in items if not i.startswith("model=")] + [f"model={out / 'final'}"]
+    with pytest.raises(ValueError, match=rf"model {out / 'final'} lies in {out / 'final'}, which this run .* writes"):
+        run_inprocess(items)
+    assert listing(out) == before
+    model = tmp_path / "model"
+    shutil.copytree(inputs[1], model)
+    items = [i for i in overrides(inputs, model / "run", "steps=1") if not i.startswith("model=")] + [f"model={model}"]
+    with pytest.raises(ValueError, match=rf"output_dir {model / 'run'} is \(inside\) the model folder"):
+        run_inprocess(items)
+    assert not (model / "run").exists()
+
+
+def test_an_export_that_would_replace_a_users_files_is_refused_before_training(stopped_run, inputs, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
+    (out / "final").mkdir()
+    (out / "final" / "README.md").write_text("my model card\n")
+    before = listing(out)
+    with pytest.raises(ValueError, match=r"export: .*final .*has no checksums.sha256"):
+        run_inprocess(overrides(inputs, out))
+    assert listing(out) == before  # no step trained, nothing written
+
+
+def test_unreadable_weights_are_named_before_anything_is_written(inputs, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(inputs[1], model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match=rf"cannot read {weights}"):
+        run_inprocess([i for i in overrides(inputs, out, "steps=1") if not i.startswith("model=")] + [f"model={model}"])
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_that_never_held_a_run_keeps_its_files(inputs, tmp_path):
+    """`--config runs/x/config.yaml output_dir=runs/x`: the run would replace config.yaml (and metrics.jsonl ...)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my experiment notes\nsteps: 1\n")
+    with pytest.raises(ValueError, match=rf"output_dir {out} is not a training run's folder \(no {LOCK_FILE}\) but "
+                                         "holds config.yaml, which a run writes"):
+        run_inprocess(overrides(inputs, out, "steps=1"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    assert (out / "config.yaml").read_text().startswith("# my experiment notes")
+
+
+def test_a_cut_last_metrics_line_does_not_block_the_resume(stopped_run, inputs, tmp_path):
+    """A crash (or a full disk) mid-write leaves half a line: the resume drops it (its step is redone) and goes on;
+    a damaged line before the last is a clear error naming the file and the line."""
+    out = copy_run(stopped_run, tmp_path / "run")
+    metrics = out / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"kind": "train", "step": 4, "lo')
+    result = run_inprocess(overrides(inputs, out))
+    assert result.step == 6 and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    lines = whole.splitlines()
+    metrics.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=rf"{metrics}: line 2 is not a JSON record"):
+        read_metrics(out)
+
+
 @pytest.mark.slow
 def test_two_rank_launch_into_a_held_output_dir_stops_every_rank(inputs, tmp_path, holder):
     out = tmp_path / "run"

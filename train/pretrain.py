@@ -177,7 +177,7 @@ def validate(cfg: TrainConfig) -> Plan:
     from transformers import AutoTokenizer
 
     from r2lm import R2LMConfig
-    from r2lm.checkpoints import DamagedCheckpointError
+    from r2lm.checkpoints import DamagedCheckpointError, check_weights
     from r2lm.diffusion import check_objective
     from train.data import resolve_source
 
@@ -191,6 +191,8 @@ def validate(cfg: TrainConfig) -> Plan:
         raise ValueError(f"model {cfg.model}: cannot read an R2LM config: {err}") from err
     if getattr(config, "model_type", None) != "r2lm":
         raise ValueError(f"model {cfg.model} is a {config.model_type!r} checkpoint; convert it with python -m convert from-hf")
+    check_output_dir(cfg, model_dir)
+    check_weights(model_dir)  # a missing or truncated weights file: named now, not by a traceback in from_pretrained
     if cfg.seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} is above the model's max_position_embeddings {config.max_position_embeddings}")
     transfer = cfg.objective == "attention_transfer"
@@ -237,6 +239,34 @@ def validate(cfg: TrainConfig) -> Plan:
             continue
     source_dtype = str(config.dtype).removeprefix("torch.") if config.dtype else "float32"
     return Plan(config, tokenizer, ds_config, candidates, source_dtype)
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "train.log", "checkpoints", "final", "wandb", "wandb_run_id")
+
+
+def check_output_dir(cfg: TrainConfig, model_dir: Path) -> None:
+    """A run writes RUN_FILES into output_dir and replaces final/ at the end: refuse an output_dir that would
+    overwrite the model it trains, or files that are not a run's (a folder that never held a run has no lock file)."""
+    from r2lm.checkpoints import check_replaceable
+    from train.lock import LOCK_FILE
+
+    out, model = Path(cfg.output_dir).resolve(), model_dir.resolve()
+    for folder in (out / "final", out / "checkpoints"):
+        if model == folder or folder in model.parents:
+            raise ValueError(f"model {cfg.model} lies in {folder}, which this run (output_dir={cfg.output_dir}) "
+                             "writes: copy the model elsewhere first, or choose another output_dir")
+    if out == model or model in out.parents:
+        raise ValueError(f"output_dir {cfg.output_dir} is (inside) the model folder {cfg.model}: choose another")
+    if out.is_dir() and not (out / LOCK_FILE).exists():
+        taken = [name for name in RUN_FILES if (out / name).exists()]
+        if taken:
+            raise ValueError(f"output_dir {cfg.output_dir} is not a training run's folder (no {LOCK_FILE}) but holds "
+                             f"{', '.join(taken)}, which a run writes: move them, or choose another output_dir")
+    if cfg.export:  # now, not after the training: the export replaces only an earlier export, unedited
+        try:
+            check_replaceable(out / "final", overwrite=True)
+        except ValueError as err:
+            raise ValueError(f"export: {err}") from None
 
 
 def resume_candidates(cfg: TrainConfig) -> list[Path]:

@@ -23,7 +23,19 @@ def read_metrics(run_dir, kind: str | None = "train") -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == lines[-1][0]:  # a last line cut short (a crash, a full disk): the step it logged is redone
+                logger.warning("%s: line %d is incomplete (%s); ignored", path, i, err)
+                break
+            raise ValueError(f"{path}: line {i} is not a JSON record ({err}); the metrics file is damaged") from err
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path}: line {i} is not a metrics record (a JSON object with a step)")
+        records.append(record)
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
@@ -44,7 +56,9 @@ class Tracker:
             return
         self.path = Path(run_dir) / METRICS_FILE
         kept = [r for r in read_metrics(run_dir, kind=None) if r["step"] <= start_step] if start_step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial = self.path.with_name(self.path.name + ".tmp")  # the history so far survives a crash right here
+        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.replace(self.path)
         self._init_wandb(cfg, Path(run_dir))
 
     def _init_wandb(self, cfg, run_dir: Path) -> None:
