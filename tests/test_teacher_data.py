@@ -2,7 +2,9 @@
 generate() does, are deterministic for a seed, resume after a kill, and bad input stops before the teacher loads."""
 
 import json
+import os
 import shutil
+import socket
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from r2lm import R2LMForDiffusionLM, generate
 from train.config import DataConfig
 from train.data import encode, load_documents, resolve_source
+from train.lock import RunLock
 from train.teacher_data import build_parser, generate_records
 
 PROMPT_TOKENS = 12
@@ -124,6 +127,80 @@ def test_other_settings_or_a_foreign_file_are_refused(inputs, tmp_path):
     expect_refusal(common(model_dir, changed, moved, "--max-prompts", "3"), "does not continue prompt 0", moved)
 
 
+def test_settings_of_a_deleted_output_are_replaced(inputs, tmp_path):
+    """OUT.settings left by an OUT the user deleted describes the new OUT once it is written: a resume with the
+    old settings would mix records made two ways."""
+    root, model_dir, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    run(*common(model_dir, heldout, out, "--max-prompts", "3"))
+    out.unlink()
+    assert run(*common(model_dir, heldout, out, "--max-prompts", "3", "--temperature", "0.7")) == 3
+    assert json.loads((tmp_path / "t.jsonl.settings").read_text())["temperature"] == 0.7
+    expect_refusal(common(model_dir, heldout, out, "--max-prompts", "6"),
+                   r"other settings \(temperature: 0.7 in the file, 0.0 now\)", out)
+    assert run(*common(model_dir, heldout, out, "--max-prompts", "6", "--temperature", "0.7")) == 3
+
+
+def test_dtype_is_a_setting_with_auto_resolved(inputs, tmp_path):
+    root, model_dir, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    run(*common(model_dir, heldout, out, "--max-prompts", "3"))
+    assert json.loads((tmp_path / "t.jsonl.settings").read_text())["dtype"] == "float32"  # auto, on CPU
+    assert run(*common(model_dir, heldout, out, "--max-prompts", "6", "--dtype", "float32")) == 3  # the same dtype
+    expect_refusal(common(model_dir, heldout, out, "--max-prompts", "9", "--dtype", "bfloat16"),
+                   r"other settings \(dtype: 'float32' in the file, 'bfloat16' now\)", out)
+    # auto on a GPU is the checkpoint's dtype: a bfloat16 checkpoint's records from the CPU are not extended there
+    teacher = tmp_path / "bf16"
+    shutil.copytree(model_dir, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    out = tmp_path / "cpu.jsonl"
+    run(*common(teacher, heldout, out, "--max-prompts", "3", "--device", "cpu"))
+    expect_refusal(common(teacher, heldout, out, "--max-prompts", "6", "--device", "cuda"),
+                   r"other settings \(dtype: 'float32' in the file, 'bfloat16' now\)", out)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("settings_not_json", r"cannot read the settings file .*t.jsonl.settings: Expecting value"),
+    ("settings_not_an_object", r"the settings file .*t.jsonl.settings holds no settings \(a JSON list"),
+    ("record_not_an_object", r"--out .*t.jsonl: line 2 is not a JSON record"),
+    ("record_not_utf8", r"--out .*t.jsonl: line 3 is not UTF-8 text"),
+])
+def test_damaged_output_is_refused_naming_file_and_line(inputs, tmp_path, damage, message):
+    root, model_dir, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    run(*common(model_dir, heldout, out, "--max-prompts", "3"))
+    settings, lines = tmp_path / "t.jsonl.settings", out.read_bytes().splitlines(keepends=True)
+    if damage == "settings_not_json":
+        settings.write_text('{"teacher": \n')
+    elif damage == "settings_not_an_object":
+        settings.write_text("[1, 2]\n")
+    elif damage == "record_not_an_object":
+        out.write_bytes(lines[0] + b"[1, 2]\n" + lines[2])
+    else:
+        out.write_bytes(lines[0] + lines[1] + b"\xff" + lines[2])
+    expect_refusal(common(model_dir, heldout, out, "--max-prompts", "6"), message, out)
+
+
+def test_a_failed_write_keeps_whole_records_and_says_so(inputs, tmp_path):
+    """A full disk mid-run: the error names the file and what is kept, the file is cut back to whole records, and a
+    rerun resumes. A file size limit (RLIMIT_FSIZE) makes the write fail as a full disk would, in a subprocess."""
+    root, model_dir, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    args = common(model_dir, heldout, out, "--max-prompts", "6")
+    run(*common(model_dir, heldout, out, "--max-prompts", "3"))
+    before = out.read_bytes()
+    limited = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               f"resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 100}, resource.RLIM_INFINITY)); "
+               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = run_cli(python("-c", limited, "train/teacher_data.py", *args), timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert (f"error: cannot write {out}: File too large. {out} keeps the 3 records written so far, whole: free space "
+            "(or fix the error) and rerun the same command to resume") in result.stderr
+    assert out.read_bytes() == before  # the part of the batch that did fit is cut off again
+    assert run(*args) == 3
+
+
 @pytest.fixture(scope="module")
 def weightless(inputs):
     """The teacher's config and tokenizer without its weights: a check that came after loading the teacher would
@@ -154,6 +231,7 @@ def other_student(root):
     ("too_long", "exceeds the teacher's max_position_embeddings 512"),
     ("out_extension", "the output is a jsonl file"),
     ("zero_batch", "--batch-size must be positive"),
+    ("out_in_a_file", "--out .*empty.txt/out.jsonl: .*empty.txt is not a folder"),
 ])
 def test_bad_input_stops_before_the_teacher_loads(inputs, weightless, tmp_path, case, message):
     root, _, heldout = inputs
@@ -170,18 +248,36 @@ def test_bad_input_stops_before_the_teacher_loads(inputs, weightless, tmp_path, 
         "too_long": common(weightless, heldout, out, "--max-new-tokens", "600"),
         "out_extension": common(weightless, heldout, tmp_path / "out.txt"),
         "zero_batch": common(weightless, heldout, out, "--batch-size", "0"),
+        "out_in_a_file": common(weightless, heldout, tmp_path / "empty.txt" / "out.jsonl"),
     }[case]
     with pytest.raises(ValueError, match=message):
         run(*args)
     assert not out.exists() and not (tmp_path / "out.jsonl.settings").exists()
+    lock = tmp_path / "out.jsonl.lock"  # a refused run let go of its lock (an empty file: no holder recorded)
+    assert not lock.exists() or lock.read_text() == ""
 
 
 def test_without_a_bad_input_the_weightless_teacher_does_fail_to_load(inputs, weightless, tmp_path):
     """The check above is real: the same arguments that are fine get as far as loading the (missing) weights."""
     _, _, heldout = inputs
     with pytest.raises(ValueError, match="cannot load the teacher .*weightless"):
-        run(*common(weightless, heldout, tmp_path / "out.jsonl"))
-    assert not (tmp_path / "out.jsonl").exists()
+        run(*common(weightless, heldout, tmp_path / "new" / "out.jsonl"))
+    assert not (tmp_path / "new").exists()  # nor the lock's folder: nothing was written
+
+
+def test_a_run_on_an_out_in_use_is_refused_naming_the_holder(inputs, weightless, tmp_path):
+    """Two runs appending to one file would interleave their records: the second is refused at once, before its
+    teacher loads (the weightless teacher would fail to load)."""
+    _, _, heldout = inputs
+    out = tmp_path / "t.jsonl"
+    holder = RunLock(tmp_path, "t.jsonl.lock")  # another open of the lock file: flock(2) locks conflict as between runs
+    try:
+        with pytest.raises(ValueError, match=rf"--out {out} is in use by another run: pid {os.getpid()} on host "
+                                             rf"{socket.gethostname()}, started 20\d\d-.*lock file {out}.lock"):
+            run(*common(weightless, heldout, out))
+    finally:
+        holder.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl.lock"]
 
 
 def test_transformers_teacher_and_its_r2lm_conversion_agree(tmp_path):

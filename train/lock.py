@@ -44,25 +44,29 @@ def _first_missing(folder: Path) -> Path | None:
 
 
 class RunLock:
-    """An exclusive lock on a run folder, created (with its parents) if needed. Raises OutputDirInUseError."""
+    """An exclusive lock on a run folder, created (with its parents) if needed. Raises OutputDirInUseError.
 
-    def __init__(self, folder: Path):
+    `name` is the lock file in the folder, `option` and `target` name what is locked in the messages (defaults: the
+    output_dir itself); train/teacher_data.py locks one output file this way, with OUT.lock beside it."""
+
+    def __init__(self, folder: Path, name: str = LOCK_FILE, option: str = "output_dir", target: Path | None = None):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_FILE
+        self.path = self.folder / name
+        what = f"{option} {target if target is not None else self.folder}"
         self.created = _first_missing(self.folder)  # what release(discard=True) may remove again
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as err:
-            raise ValueError(f"output_dir {self.folder}: cannot create {self.path}: {err}") from None
+            raise ValueError(f"{what}: cannot create {self.path}: {err}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = describe_holder(self.path.read_text())
             os.close(self.fd)
             raise OutputDirInUseError(
-                f"output_dir {self.folder} is in use by another run: {holder} (lock file {self.path}); wait for it to "
-                "end, or choose another output_dir"
+                f"{what} is in use by another run: {holder} (lock file {self.path}); wait for it to end, or choose "
+                f"another {option}"
             ) from None
         started = time.strftime("%Y-%m-%d %H:%M:%S %z")
         os.ftruncate(self.fd, 0)

@@ -25,13 +25,18 @@ record does not depend on --max-prompts (the last batch is always full when the 
 
 Resume: re-running the same command appends only the missing records (a larger --max-prompts extends the file).
 Records are appended a batch at a time and flushed; a partial last line left by a killed run is cut off and its
-record generated again. The settings that decide the records are kept in OUT.settings (JSON): a re-run with other
-settings is refused, naming them. Every check (files, tokenizers, settings, lengths) runs before the teacher loads.
+record generated again, and a failed write (a full disk) is undone to the last whole record. The settings that
+decide the records (--dtype resolved: "auto" is the dtype it stands for on this device) are kept in OUT.settings
+(JSON), written with the first records of a new OUT: a re-run with other settings is refused, naming them. One run
+at a time writes OUT: it holds an exclusive lock on OUT.lock (train/lock.py), and a second run is refused at once,
+naming the holder. Every check (a writable folder, the lock, files, tokenizers, settings, lengths) runs before the
+teacher loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -47,9 +52,12 @@ if __package__ in (None, ""):  # run as a script: python train/teacher_data.py
 logger = logging.getLogger("train.teacher_data")
 
 SETTINGS_SUFFIX = ".settings"  # not a data file extension: a folder given as data.train skips it
+LOCK_SUFFIX = ".lock"  # nor is this
 # the arguments that decide the records: a resumed run must keep them (--max-prompts may grow or shrink)
 SETTINGS = ("teacher", "prompts", "prompt_field", "text_unit", "prompt_tokens", "max_new_tokens", "batch_size",
-            "temperature", "top_k", "top_p", "seed", "block_size", "threshold")
+            "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype")
+# safetensors' names of the floating-point dtypes --dtype auto may stand for
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 @dataclass
@@ -80,6 +88,18 @@ def check_arguments(args) -> None:
                          "name it *.jsonl")
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file name ending in .jsonl")
+    check_writable_folder(out)
+
+
+def check_writable_folder(out: Path) -> None:
+    """The folder of `out` (or the folder it would be made in) can take new files: found now, not after the teacher
+    has loaded and generated its first batch."""
+    folder = next(p for p in out.absolute().parents if p.exists())
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):  # access(2) also says EROFS for a read-only filesystem
+        raise ValueError(f"--out {out}: the folder {folder} is not writable (a read-only filesystem, or no write "
+                         "permission): give an --out where files can be written")
 
 
 def checkpoint_kind(folder: str, what: str) -> str:
@@ -165,6 +185,36 @@ def check_lengths(prompts: list[Prompt], teacher: str, max_new_tokens: int) -> N
                          f"teacher's max_position_embeddings {limit}: give --prompt-tokens or fewer new tokens")
 
 
+def checkpoint_dtype(folder: str) -> str:
+    """The dtype transformers' dtype="auto" loads a checkpoint in: its config's, else its first floating-point
+    weight's (from the safetensors header; no weights are read)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("dtype") or config.get("torch_dtype"):
+        return str(config.get("dtype") or config["torch_dtype"]).removeprefix("torch.")
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(path, "pt") as weights:
+            for name in weights.keys():
+                if (dtype := weights.get_slice(name).get_dtype()) in SAFETENSORS_DTYPES:
+                    return SAFETENSORS_DTYPES[dtype]
+    raise ValueError(f"--dtype auto: the teacher {folder} names no dtype in config.json and has no safetensors "
+                     "weights to read it from: give --dtype")
+
+
+def device_and_dtype(args) -> tuple[str, str]:
+    """The device and the concrete dtype the teacher runs in ("auto": float32 on CPU, the checkpoint's on GPU)."""
+    import torch
+
+    try:
+        device = str(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    except RuntimeError as err:
+        raise ValueError(f"--device {args.device}: {err}") from None
+    if args.dtype != "auto":
+        return device, args.dtype
+    return device, "float32" if torch.device(device).type == "cpu" else checkpoint_dtype(args.teacher)
+
+
 def eos_ids_of(folder: str, tokenizer) -> list[int]:
     """The teacher's EOS ids, its tokenizer's and its generation config's: a continuation ends at any of them."""
     from transformers import GenerationConfig
@@ -184,9 +234,10 @@ def eos_ids_of(folder: str, tokenizer) -> list[int]:
 # ---------------------------------------------------------------------------------------------- the output
 
 
-def settings_of(args) -> dict:
+def settings_of(args, dtype: str) -> dict:
     values = {name: getattr(args, name) for name in SETTINGS}
     values["teacher"], values["prompts"] = str(Path(args.teacher).resolve()), str(Path(args.prompts).resolve())
+    values["dtype"] = dtype
     return values
 
 
@@ -194,30 +245,49 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + SETTINGS_SUFFIX)
 
 
+def read_settings(path: Path) -> dict:
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read the settings file {path}: {err}; it is damaged: give another --out") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"the settings file {path} holds no settings (a JSON {type(saved).__name__}, not an object); "
+                         "it is damaged: give another --out")
+    return saved
+
+
 def done_records(out: Path, settings: dict, prompts: list[Prompt]) -> int:
     """How many records `out` already holds for these settings (0: a new file). A partial last line (a killed run)
     is cut off. Raises ValueError for a file this script did not write, or wrote with other settings."""
     saved_path = settings_path(out)
-    if not out.exists():
+    if not out.exists():  # a settings file without its OUT (deleted) is stale: write_records replaces it
         return 0
     if not saved_path.is_file():
         raise ValueError(f"--out {out} exists but was not written by train/teacher_data.py (no {saved_path.name} "
                          "beside it): give another --out")
-    saved = json.loads(saved_path.read_text())
-    changed = [f"{name}: {saved.get(name)!r} in the file, {value!r} now" for name, value in settings.items()
-               if saved.get(name) != value]
+    saved = read_settings(saved_path)
+    changed = [f"{name}: {saved[name]!r} in the file, {value!r} now" if name in saved else
+               f"{name}: not recorded in the file (an older version wrote it), {value!r} now"
+               for name, value in settings.items() if saved.get(name) != value or name not in saved]
     if changed:
         raise ValueError(f"--out {out} was generated with other settings ({'; '.join(changed)}): rerun with its "
                          "settings to extend it, or give another --out")
     data = out.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    lines = complete.decode("utf-8").splitlines()
+    try:
+        lines = complete.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = complete[: err.start].count(b"\n") + 1
+        raise ValueError(f"--out {out}: line {line} is not UTF-8 text; the file is damaged") from None
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"--out {out}: line {i + 1} is not a JSON record; the file is damaged") from None
-        if record.get("index") != i or (i < len(prompts) and not record.get("text", "").startswith(prompts[i].text)):
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"--out {out}: line {i + 1} is not a JSON record (an object with a text); the file is "
+                             "damaged")
+        if record.get("index") != i or (i < len(prompts) and not record["text"].startswith(prompts[i].text)):
             raise ValueError(f"--out {out}: record {i + 1} does not continue prompt {i} of --prompts; the file or the "
                              "prompts file changed since it was written: give another --out")
     if len(complete) < len(data):
@@ -227,17 +297,27 @@ def done_records(out: Path, settings: dict, prompts: list[Prompt]) -> int:
 
 
 def write_records(out: Path, settings: dict, records: list[dict]) -> None:
-    """Append whole records (one write, flushed to disk); the settings file comes first, written atomically."""
-    saved_path = settings_path(out)
-    if not saved_path.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    """Append whole records (one write, flushed to disk); for a new `out` the settings file comes first, written
+    atomically (replacing one left by an earlier `out` that was deleted). Raises OSError with `out` as it was."""
+    if not out.exists():
+        saved_path = settings_path(out)
         tmp = saved_path.with_name(f".{saved_path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(settings, indent=1) + "\n")
-        os.replace(tmp, saved_path)
-    with out.open("a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            tmp.write_text(json.dumps(settings, indent=1) + "\n")
+            os.replace(tmp, saved_path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+    size = out.stat().st_size if out.exists() else 0
+    try:
+        with out.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):  # cutting a file back needs no space: it ends with a whole record again
+            os.truncate(out, size)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -246,21 +326,17 @@ def write_records(out: Path, settings: dict, records: list[dict]) -> None:
 class Teacher:
     """A teacher checkpoint and the way it continues a left-padded batch of prompts."""
 
-    def __init__(self, folder: str, kind: str, tokenizer, args):
+    def __init__(self, folder: str, kind: str, tokenizer, args, device: str, dtype: str):
         import torch
 
         self.kind, self.args = kind, args
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device)
         if kind == "r2lm":
             from r2lm import R2LMForDiffusionLM as model_class
         else:
             from transformers import AutoModelForCausalLM as model_class
-        if args.dtype == "auto":
-            dtype = torch.float32 if self.device.type == "cpu" else "auto"  # "auto": the checkpoint's
-        else:
-            dtype = getattr(torch, args.dtype)
         try:
-            self.model = model_class.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+            self.model = model_class.from_pretrained(folder, dtype=getattr(torch, dtype)).to(self.device).eval()
         except OSError as err:  # no or unreadable weights
             raise ValueError(f"cannot load the teacher {folder}: {err}") from err
         self.eos_ids = eos_ids_of(folder, tokenizer)
@@ -346,10 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(args):
-    """Every check, before the teacher loads: (teacher kind, tokenizer, prompts, records wanted, settings, records
-    already done). `prompts` runs to the end of the last batch: the batches, and so what a seed samples, do not
-    depend on --max-prompts (the rows past it are generated and dropped)."""
-    check_arguments(args)
+    """The checks after the arguments' (generate_records holds OUT's lock for them), before the teacher loads:
+    (teacher kind, tokenizer, prompts, records wanted, device, dtype, settings, records already done). `prompts`
+    runs to the end of the last batch: the batches, and so what a seed samples, do not depend on --max-prompts (the
+    rows past it are generated and dropped)."""
     kind = checkpoint_kind(args.teacher, "--teacher")
     if kind != "r2lm" and (args.block_size is not None or args.threshold is not None):
         raise ValueError("--block-size / --threshold set R2LM (diffusion) decoding; the teacher is a transformers "
@@ -363,24 +439,40 @@ def prepare(args):
     prompts = read_prompts(args, tokenizer, limit)
     wanted = min(len(prompts), args.max_prompts or len(prompts))
     check_lengths(prompts, args.teacher, args.max_new_tokens)
-    settings = settings_of(args)
-    return kind, tokenizer, prompts, wanted, settings, done_records(Path(args.out), settings, prompts)
+    device, dtype = device_and_dtype(args)
+    settings = settings_of(args, dtype)
+    return kind, tokenizer, prompts, wanted, device, dtype, settings, done_records(Path(args.out), settings, prompts)
 
 
 def generate_records(args) -> int:
-    """Append the missing records of `args.out`; returns how many were written."""
+    """Append the missing records of `args.out`, holding its lock; returns how many were written."""
+    from train.lock import RunLock
+
+    check_arguments(args)
+    out = Path(args.out)
+    lock = RunLock(out.parent, out.name + LOCK_SUFFIX, option="--out", target=out)
+    try:
+        written = locked_generate_records(args, out)
+    except BaseException:
+        lock.release(discard=True)  # and the folders it made: a run that failed leaves no lock file it created
+        raise
+    lock.release()
+    return written
+
+
+def locked_generate_records(args, out: Path) -> int:
+    """generate_records' work, once it holds the lock on `out`."""
     from tqdm.auto import tqdm
 
     from train.pretrain import noise_seed
 
-    kind, tokenizer, prompts, wanted, settings, done = prepare(args)
-    out = Path(args.out)
+    kind, tokenizer, prompts, wanted, device, dtype, settings, done = prepare(args)
     if done >= wanted:
         logger.info("%s already holds %d records for %d prompts: nothing to do", out, done, wanted)
         return 0
     if done:
         logger.info("%s holds %d of %d records: generating the other %d", out, done, wanted, wanted - done)
-    teacher = Teacher(args.teacher, kind, tokenizer, args)
+    teacher = Teacher(args.teacher, kind, tokenizer, args, device, dtype)
     b = args.batch_size
     written = 0
     with tqdm(total=wanted, initial=done, desc="teacher", unit="prompt", dynamic_ncols=True) as progress:
@@ -389,7 +481,12 @@ def generate_records(args) -> int:
             results = teacher.continue_batch(batch, noise_seed(args.seed, start))
             records = [record(start + i, p, new, finished, tokenizer)
                        for i, (p, (new, finished)) in enumerate(zip(batch, results, strict=True)) if done <= start + i < wanted]
-            write_records(out, settings, records)
+            try:
+                write_records(out, settings, records)
+            except OSError as err:
+                raise ValueError(f"cannot write {err.filename or out}: {err.strerror or err}. {out} keeps the "
+                                 f"{done + written} records written so far, whole: free space (or fix the error) and "
+                                 "rerun the same command to resume") from None
             written += len(records)
             progress.update(len(records))
     per_step = f", {teacher.new_tokens / teacher.steps:.2f} tokens per denoising step" if teacher.steps else ""
