@@ -146,6 +146,21 @@ def test_unreadable_weights_are_named(checkpoint, tmp_path, capsys, damage):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_missing_tokenizer_and_a_device_this_machine_lacks_are_named(checkpoint, tmp_path, capsys):
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "model"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (copy / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(copy), "--prompt", "x"])
+    assert exit_.value.code == 2 and f"{copy} has no tokenizer" in capsys.readouterr().err
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last (cuda:0 on a machine without CUDA)
+    for device, message in [(missing, f"--device {missing}: this machine has {torch.cuda.device_count()} CUDA"),
+                            ("tpu", "--device tpu: "), ("meta", "--device meta: give cpu or cuda")]:
+        with pytest.raises(SystemExit) as exit_:
+            main([str(checkpoint), "--prompt", "x", "--device", device])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_help_lists_the_options():
     result = subprocess.run([sys.executable, "-m", "r2lm.cli.generate", "--help"], capture_output=True, text=True)
     assert result.returncode == 0

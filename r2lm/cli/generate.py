@@ -52,7 +52,7 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
     """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder with readable weights:
     transformers would take a missing path for a hub repo id and fail with a message about repo ids, and a
     corrupt weights file with a traceback."""
-    from r2lm.checkpoints import check_weights, read_config
+    from r2lm.checkpoints import check_weights, has_tokenizer, read_config
 
     folder = Path(checkpoint)
     if not folder.is_dir():
@@ -68,6 +68,24 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
         check_weights(folder)
     except ValueError as err:
         parser.error(str(err))
+    if not has_tokenizer(folder):
+        parser.error(f"{checkpoint} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
+                     "a conversion copies the source's")
+
+
+def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
+    """The --device, one this machine has (torch would fail with an assertion deep in the first copy)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        parser.error(f"--device {name}: {err}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {name}: give cpu or cuda[:N]")
+    return device
 
 
 def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
@@ -103,12 +121,11 @@ def encode(tokenizer, prompts: list[str], chat: bool, checkpoint: str):
     return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
 
 
-def generate(args: argparse.Namespace) -> None:
+def generate(args: argparse.Namespace, device: torch.device) -> None:
     from transformers import AutoTokenizer, TextStreamer
 
     from r2lm import R2LMForDiffusionLM
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, padding_side="left")
     batch = encode(tokenizer, args.prompt, args.chat, args.checkpoint)
     options = decoding_options(args, device)
@@ -131,9 +148,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_checkpoint(parser, args.checkpoint)
+    device = check_device(parser, args.device)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        generate(args)
+        generate(args, device)
     except ValueError as err:  # a bad option value (generate names it) or prompt, before any forward
         print(f"error: {err}", file=sys.stderr)
         return 2
