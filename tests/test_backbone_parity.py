@@ -49,3 +49,32 @@ def test_rope_scaling_reaches_the_attention(tmp_path):
     ids = torch.randint(0, 96, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_partial_rotary_factor_is_ignored_as_transformers_does(arch, tmp_path):
+    """transformers' Qwen3 / Llama rotate the whole head whatever partial_rotary_factor says (default RoPE);
+    r2lm's rotary code honours the factor (LLaDA 2), so the conversion must drop it to compute the same."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf, src = _hf_model(arch, tmp_path, rope_parameters=rope)
+    ours = R2LMForDiffusionLM.from_pretrained(convert_from_hf(src, tmp_path / "r2lm", mask_token_id=5)).eval()
+    assert "partial_rotary_factor" not in ours.config.rope_parameters
+    ids = torch.randint(0, 96, (1, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 256}
+    _, src = _hf_model(arch, tmp_path / "yarn", rope_parameters=yarn)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 and rope_type 'yarn'"):
+        convert_from_hf(src, tmp_path / "r2lm-yarn", mask_token_id=5)
+
+
+def test_a_backbone_rotating_part_of_each_head_has_no_transformers_counterpart():
+    from conftest import tiny_r2lm
+
+    from r2lm.convert.to_hf import transformers_backbone
+
+    model = tiny_r2lm(sidecar_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="rotates part of each head .partial_rotary_factor 0.5."):
+        transformers_backbone(model)

@@ -106,10 +106,14 @@ def test_attention_transfer_trains_only_feature_maps_and_gates(stage1, inputs):
                                                                             r"linear layer of the model \(it has: .*q_proj"),
         ("hybrid", ["lora.enabled=true", "freeze_backbone=true"], "lora.enabled and freeze_backbone exclude each other"),
         ("hybrid", ["lora.enabled=true", "lora.r=0"], "lora.r and lora.alpha must be positive"),
+        ("tied", ["lora.enabled=true", "lora.target_modules=[q_proj,lm_head]"],
+         r"lora.target_modules puts a LoRA on lm_head of a model with tied embeddings"),
     ],
 )
 def test_stage_inputs_are_checked_before_any_work(inputs, tmp_path, model_kind, extra, message):
-    model = make_model_dir(tmp_path / "plain", sidecar_layers=[]) if model_kind == "plain" else inputs[1]
+    model = {"plain": lambda: make_model_dir(tmp_path / "plain", sidecar_layers=[]),
+             "tied": lambda: make_model_dir(tmp_path / "tied", tie_word_embeddings=True),
+             "hybrid": lambda: inputs[1]}[model_kind]()
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=message):
         run_inprocess(overrides(inputs, model, out, *extra))

@@ -85,6 +85,7 @@ def edit_config(adapter, tmp_path, **changes):
         ("no_adapter", "is not a peft adapter folder: it has no adapter_config.json"),
         ("not_r2lm", "is not an R2LM checkpoint"),
         ("unreadable_base", r"cannot read .*/truncated/model\.safetensors: "),
+        ("tied_lm_head", r"puts a LoRA on lm_head of a model with tied embeddings"),
     ],
 )
 def test_bad_adapter_leaves_dst_untouched(base, adapter, tmp_path, case, message):
@@ -114,6 +115,9 @@ def test_bad_adapter_leaves_dst_untouched(base, adapter, tmp_path, case, message
         src = shutil.copytree(base, tmp_path / "truncated")
         weights = src / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
+    elif case == "tied_lm_head":  # merged, B @ A would change embed_tokens too (they share the weight)
+        src = make_model_dir(tmp_path / "tied", tie_word_embeddings=True, **HYBRID)
+        adapter = make_adapter(src, tmp_path / "tied-lora", targets=("q_proj", "lm_head"))
     dst = tmp_path / "dst"
     with pytest.raises(ValueError, match=message):
         merge_lora(src, adapter, dst)

@@ -50,7 +50,7 @@ def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
         max_position_embeddings=hf_config.max_position_embeddings,
         initializer_range=hf_config.initializer_range,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope_parameters=dict(hf_config.rope_parameters),
+        rope_parameters=_whole_head_rope(arch, dict(hf_config.rope_parameters)),
         # Qwen2: bias on q/k/v only; Qwen3 and Llama: `attention_bias` on q/k/v/o.
         attention_bias=True if arch == "qwen2" else bias,
         o_proj_bias=False if arch == "qwen2" else bias,
@@ -63,6 +63,20 @@ def r2lm_config_from_hf(hf_config, **diffusion) -> R2LMConfig:
         dtype=hf_config.dtype,
         **diffusion,
     )
+
+
+def _whole_head_rope(arch: str, rope: dict) -> dict:
+    """transformers' Qwen3 / Qwen2 / Llama rotate the whole head: their default RoPE ignores a
+    partial_rotary_factor, which r2lm's rotary code would honour (LLaDA 2 rotates part of the head), so it is
+    dropped; with another RoPE type transformers' own model cannot run it, so it is refused."""
+    factor = rope.pop("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{arch} checkpoint with partial_rotary_factor {factor} and rope_type "
+                             f"{rope['rope_type']!r}: transformers' {arch} rotates the whole head, so this is unsupported")
+        logger.warning("%s: partial_rotary_factor %s ignored, as transformers' %s does (it rotates the whole head)",
+                       arch, factor, arch)
+    return rope
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -52,6 +53,20 @@ def read_adapter(adapter: Path):
     return config, weights
 
 
+def check_tied_targets(model_config, target_modules, what: str) -> None:
+    """Refuse a LoRA on lm_head or embed_tokens of a model whose two share one weight (tie_word_embeddings): merging
+    it adds B @ A to the shared weight, which changes the other one too, so the merged model is not the adapted one."""
+    if not model_config.tie_word_embeddings:
+        return
+    if isinstance(target_modules, str):  # peft: a regular expression over the full module names
+        hit = [name for name in ("lm_head", "model.embed_tokens") if re.fullmatch(target_modules, name)]
+    else:
+        hit = [name for name in target_modules if name in ("lm_head", "embed_tokens")]
+    if hit:
+        raise ValueError(f"{what} puts a LoRA on {', '.join(hit)} of a model with tied embeddings (lm_head and "
+                         "embed_tokens share one weight): merged, it would change both; leave them out")
+
+
 def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
     """The peft model of `base` with the adapter loaded, after checking the adapter fits `base`. Raises ValueError."""
     from peft import get_peft_model
@@ -84,7 +99,7 @@ def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
 def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write the merged checkpoint `dst`; returns it. Every check runs before `dst` is touched."""
 
-    from r2lm import R2LMForDiffusionLM
+    from r2lm import R2LMConfig, R2LMForDiffusionLM
 
     src, adapter = Path(src), Path(adapter)
     dst = check_destination(dst, [src, adapter], overwrite)
@@ -92,6 +107,7 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (r2lm-convert from-hf ...)")
     check_weights(src)
     config, weights = read_adapter(adapter)
+    check_tied_targets(R2LMConfig.from_pretrained(src), config.target_modules, f"adapter {adapter}")
     base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
     check_finite(base.state_dict(), src)
     out_dtype = dtype or base.config.dtype or torch.float32

@@ -58,6 +58,10 @@ def transformers_backbone(model: R2LMForDiffusionLM):
         raise ValueError("sidecar and block-hybrid layers have no transformers counterpart; export a backbone without them")
     if config.attention != "causal":
         raise ValueError(f"a transformers causal LM cannot run {config.attention!r} attention")
+    if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("this backbone's RoPE rotates part of each head (partial_rotary_factor "
+                         f"{config.rope_parameters['partial_rotary_factor']}); transformers' Qwen3 / Qwen2 / Llama "
+                         "rotate the whole head")
     arch = architecture_of(config)
     fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
