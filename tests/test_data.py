@@ -15,6 +15,7 @@ from train.data import (
     build_data,
     encode,
     is_heldout,
+    is_heldout_text,
     pack,
     resolve_source,
     stream_sequences,
@@ -258,14 +259,55 @@ def test_streaming_shards_documents_across_ranks(tmp_path, tok):
     assert numbers[0] and numbers[1] and not (numbers[0] & numbers[1])  # each document goes to one rank
 
 
+@pytest.mark.parametrize("shuffle_buffer, world", [(0, 1), (8, 1), (0, 2), (8, 2)])
+def test_streaming_heldout_documents_never_reach_training(tmp_path, tok, shuffle_buffer, world):
+    """Several files, shuffled and split across ranks by file: the held-out documents stay out of every rank's
+    training stream, over several epochs, and every other document is trained on."""
+    for f in range(3):
+        (tmp_path / f"p{f}.jsonl").write_text("".join(json.dumps({"text": f"doc {f * 13 + i:03d} ."}) + "\n"
+                                                      for i in range(13)))
+    cfg = cfg_for(tmp_path, tmp_path, **{"data.streaming": "true", "data.heldout_fraction": 0.2, "seq_len": 8,
+                                         "data.shuffle_buffer": shuffle_buffer, "eval_batches": 50})
+    seen = lambda rows: {int(w) for w in tok.decode(torch.cat(rows).flatten().tolist()).split() if w.isdigit()}  # noqa: E731
+    trained = set()
+    for rank in range(world):
+        data = build(cfg, tok, rank=rank, world=world)
+        held = seen([data.heldout.batch([i]) for i in range(data.heldout.n)])
+        trained |= seen([data.train(step, m) for step in range(20) for m in range(2)])  # several epochs
+    want = {i for i in range(39) if is_heldout_text(f"doc {i:03d} .", 0.2)}
+    assert want and held == want  # the held-out stream: exactly those (its rows cover every held-out document)
+    assert not trained & held and trained | held == set(range(39))
+
+
+@pytest.mark.parametrize("text", [None, 3, ["alpha", "beta"]], ids=["null", "number", "pair"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_record_whose_text_is_not_a_string_is_named(tmp_path, tok, text, streaming):
+    """The tokenizer would read a 2-list as a text pair ("alphabeta") and fail on null naming nothing."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine words"}) + "\n" + json.dumps({"text": text}) + "\n")
+    cfg = cfg_for(tmp_path, tmp_path / "a.jsonl", **{"data.streaming": str(streaming).lower(), "seq_len": 4})
+    with pytest.raises(ValueError, match=r"a document's text is \w+ .*, not a string"):
+        data = build(cfg, tok)
+        data.train(0, 0)
+
+
+def test_a_data_folder_skips_hidden_folders(tmp_path, tok):
+    """An editor's or notebook's copies (.ipynb_checkpoints/) are not training data."""
+    from train.data import resolve_source
+
+    (tmp_path / "data" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "data" / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (tmp_path / "data" / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    assert resolve_source(str(tmp_path / "data")).files == [str(tmp_path / "data" / "a.jsonl")]
+
+
 def test_streaming_with_heldout_fraction_and_epochs(tmp_path, tok):
     docs = corpus_paragraphs(40)
     (tmp_path / "a.txt").write_text("\n\n".join(docs) + "\n")
     cfg = cfg_for(tmp_path, tmp_path / "a.txt", **{"data.streaming": "true", "data.heldout_fraction": 0.25,
                                                   "data.shuffle_buffer": 0})
     data = build(cfg, tok)
-    held = [d for i, d in enumerate(docs) if is_heldout(i, 0.25)]
+    held = [d for d in docs if is_heldout_text(d, 0.25)]
     assert [data.heldout.batch([i])[0].tolist() for i in range(data.heldout.n)] == expected_stream(tok, held, 16)[: data.heldout.n]
-    per_epoch = len(expected_stream(tok, [d for i, d in enumerate(docs) if not is_heldout(i, 0.25)], 16))
+    per_epoch = len(expected_stream(tok, [d for d in docs if not is_heldout_text(d, 0.25)], 16))
     steps = per_epoch // 4 + 2  # 4 sequences per step: runs into the second epoch
     assert all(data.train(s, m).shape == (2, 16) for s in range(steps) for m in range(2))

@@ -49,6 +49,10 @@ def test_unknown_keys_are_named_with_suggestions(tmp_path):
         ("stop_at=2000", r"stop_at must be in \[1, steps=1000\]"),
         ("data.heldout_fraction=1.5", r"heldout_fraction must be in \[0, 1\)"),
         ("adam_betas=[0.9]", "adam_betas must be two numbers"),
+        ("eps=1.0", r"eps \(the smallest masking probability\) must be in \(0, 1\), got 1.0"),
+        ("eps=-0.5", r"eps .* must be in \(0, 1\), got -0.5"),
+        ("seed=-1", r"seed must be an integer in \[0, 2\*\*63\), got -1"),
+        ("eval_seed=100000000000000000000", r"eval_seed must be an integer in \[0, 2\*\*63\)"),
     ],
 )
 def test_bad_values(override, message):

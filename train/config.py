@@ -50,7 +50,8 @@ class DataConfig:
     streaming: bool = opt(False, "stream documents instead of tokenising the whole corpus up front (large corpora); "
                           "a resumed run fast-forwards through the stream to its position")
     shuffle_buffer: int = opt(10000, "documents in the (seeded) shuffle buffer when streaming; 0 = source order")
-    num_proc: int = opt(1, "processes for tokenisation (non-streaming)", resume_may_change=True)
+    num_proc: int = opt(1, "processes for tokenisation (non-streaming); it sets where packing batches start, so the "
+                        "packed sequences depend on it")
     cache_dir: Any = opt(None, "datasets cache folder (default: the HF datasets cache)", kind=str,
                          resume_may_change=True)
 
@@ -290,6 +291,11 @@ def check_values(cfg: TrainConfig) -> None:
         cfg.log_every = 1
     if cfg.lr <= 0:
         raise ValueError(f"config key lr must be positive, got {cfg.lr}")
+    if not 0 < cfg.eps < 1:
+        raise ValueError(f"config key eps (the smallest masking probability) must be in (0, 1), got {cfg.eps}")
+    for key in ("seed", "eval_seed"):  # numpy's generators take no negative seed, torch's none from 2**64 on
+        if not 0 <= getattr(cfg, key) < 2**63:
+            raise ValueError(f"config key {key} must be an integer in [0, 2**63), got {getattr(cfg, key)}")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"config key min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if len(cfg.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.adam_betas):

@@ -17,8 +17,9 @@ batches the uninterrupted run would have seen:
   rank reads a disjoint part), tokenised and packed on the fly; rank r's micro-batch (s, m) is batch
   s * grad_accum + m of its own stream, and a resumed run fast-forwards to it.
 
-Held out: a separate source, or every 1/f-th document of the training source (`heldout_fraction`), chosen by
-document index before shuffling, so the two never share a document.
+Held out: a separate source, or a fraction f of the training source's documents (`heldout_fraction`): in memory
+every 1/f-th document, chosen by index before shuffling; streaming, the documents whose text hashes below f (a
+stream has no stable document order), so the two never share a document.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
                 raise ValueError(f"{what}: the pattern {s} matches no file")
             files += matches
         elif path.is_dir():
-            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_of(p) and not p.name.startswith("."))
+            found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_of(p)
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))  # .ipynb_checkpoints/
             if not found:
                 raise ValueError(f"{what}: the folder {s} holds no data file ({', '.join(sorted(BUILDERS))})")
             files += found
@@ -214,7 +216,16 @@ def is_heldout(index: int, fraction: float) -> bool:
     return math.floor((index + 1) * fraction) > math.floor(index * fraction)
 
 
-def split_heldout(docs, fraction: float, heldout: bool):
+def is_heldout_text(text: str, fraction: float) -> bool:
+    """Streaming: a document has no stable position (datasets shuffles the order of the files and splits them
+    across ranks beneath any filter, and a filter's index restarts per file), so it is held out by a hash of its
+    text: about `fraction` of the documents, the same ones in every order and on every rank."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
+
+
+def split_heldout(docs, fraction: float, heldout: bool, streaming: bool = False):
+    if streaming:
+        return docs.filter(lambda doc: is_heldout_text(doc["text"], fraction) == heldout)
     return docs.filter(lambda _, i: is_heldout(i, fraction) == heldout, with_indices=True)
 
 
@@ -228,6 +239,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    # the tokenizer would take a list for a text pair, and fail on null with a message that names no document
+    bad = next((t for t in texts if not isinstance(t, str)), "")
+    if not isinstance(bad, str):
+        raise ValueError(f"a document's text is {type(bad).__name__} {str(bad)[:60]!r}, not a string: every record's "
+                         "text field must hold a string")
     # split_special_tokens: a document that contains the text "<|mask|>" or "<|endoftext|>" gets ordinary tokens,
     # so [MASK] and EOS ids only ever come from the pipeline itself.
     return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -249,7 +265,7 @@ def pack(token_lists, eos_id: int, seq_len: int, carry: list[int] | None = None)
 def pack_dataset(docs, tokenizer, eos_id: int, seq_len: int, num_proc: int = 1):
     """In-memory path: a datasets.Dataset with one column `input_ids` of seq_len ids per row (cached on disk)."""
     fingerprint = hashlib.sha256(
-        f"{docs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{eos_id}|{seq_len}|{PACK_VERSION}".encode()
+        f"{docs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{eos_id}|{seq_len}|{num_proc}|{PACK_VERSION}".encode()
     ).hexdigest()[:32]
 
     def _pack(batch):
@@ -390,8 +406,8 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
         docs = load_documents(train_src, d, streaming=True)
         held_docs = load_documents(held_src, d, streaming=True) if held_src else None
         if d.heldout_fraction:
-            held_docs = split_heldout(docs, d.heldout_fraction, True)
-            docs = split_heldout(docs, d.heldout_fraction, False)
+            held_docs = split_heldout(docs, d.heldout_fraction, True, streaming=True)
+            docs = split_heldout(docs, d.heldout_fraction, False, streaming=True)
         if d.shuffle_buffer:
             docs = docs.shuffle(seed=cfg.seed, buffer_size=d.shuffle_buffer)
         docs = split_dataset_by_node(docs, rank=rank, world_size=world)
