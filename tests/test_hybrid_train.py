@@ -175,6 +175,16 @@ def test_merged_checkpoint_equals_the_peft_model(stage2, tmp_path):
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
 
 
+def test_a_bf16_lora_run_exports_its_adapter(stage2, inputs, tmp_path):
+    """Under bf16 (precision=auto on a GPU) the frozen base lives only in the bf16 module: the export's check
+    compares it with the base as the run held it, and the adapter is written."""
+    _, _, base = stage2
+    result = run_inprocess(overrides(inputs, base, tmp_path / "bf16", *STAGE2, "steps=2", "save_every=2",
+                                     "eval_every=0", "precision=bf16"))
+    saved = load_file(result.export_dir / "adapter_model.safetensors")
+    assert saved and all(".lora_" in k for k in saved)
+
+
 def test_lora_resume_is_exact_with_dropout(stage2, inputs):
     _, full, base = stage2
     out = inputs[0] / "stage2-resumed"

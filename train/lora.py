@@ -78,11 +78,13 @@ def save_adapter_config(module, folder: Path) -> None:
     module.peft_config["default"].save_pretrained(str(folder))
 
 
-def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
+def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, overwrite: bool = False,
+                   trained_in: torch.dtype = torch.float32) -> Path:
     """The adapter of a LoRA training checkpoint (DeepSpeed, any ZeRO stage) -> peft folder `dst`, atomically.
 
-    The frozen weights in the checkpoint must equal `base_dir`'s (the run's starting checkpoint): merging the
-    adapter into that base then gives exactly the trained model."""
+    The frozen weights in the checkpoint must equal `base_dir`'s (the run's starting checkpoint) as the run held
+    them (`trained_in`: a bf16 run keeps them only in bf16): merging the adapter into that base then gives the
+    trained model."""
     from peft import LoraConfig, get_peft_model
 
     from r2lm import R2LMForDiffusionLM
@@ -101,11 +103,12 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
     missing, unexpected = sorted(set(expected) - set(state) - tied), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match a LoRA model of {base_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    moved = [k for k in state if ".lora_" not in k and not torch.equal(state[k], expected[k])]
+    moved = [k for k in state if ".lora_" not in k
+             and not torch.equal(state[k], expected[k].to(trained_in).to(state[k].dtype))]
     if moved:
         raise ValueError(f"the frozen weights of {folder} differ from {base_dir} ({moved[:3]}...): export the adapter "
                          "against the checkpoint the run started from")
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict({k: v for k, v in state.items() if ".lora_" in k}, strict=False)
     model.to(dtype)
     with atomic_output_dir(dst, overwrite) as tmp:  # sealed: the umask's permissions (peft writes 0600), manifest
         model.save_pretrained(str(tmp))

@@ -56,6 +56,21 @@ def build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype):
     return model.eval()
 
 
+def restore_frozen(state: dict[str, torch.Tensor], names, source, trained_in: torch.dtype, folder) -> None:
+    """Frozen parameters have no fp32 master copy: DeepSpeed saves them from the training module, in its dtype, so
+    a bf16 run of an fp32 model would export them rounded. Unchanged by definition, they are taken from the model
+    the run started from, after checking that the checkpoint holds exactly that model's weights in `trained_in`."""
+    from r2lm.checkpoints.hf import read_state_dict
+
+    weights = read_state_dict(Path(source))
+    for name in names:
+        held = state[name]
+        if name not in weights or not torch.equal(held, weights[name].to(trained_in).to(held.dtype)):
+            raise ValueError(f"the frozen {name} of {folder} is not {source}'s (held in {trained_in}): export from the "
+                             "model the run started from")
+        state[name] = weights[name]  # (DeepSpeed's reassembly returns these in the training dtype)
+
+
 def parameter_bytes(config, dtype: torch.dtype) -> int:
     """The size of the model's weights in `dtype`, counted on the meta device (nothing is allocated)."""
     from r2lm import R2LMForDiffusionLM
@@ -65,10 +80,12 @@ def parameter_bytes(config, dtype: torch.dtype) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False) -> Path:
+def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False,
+                                frozen=None) -> Path:
     """Write the HF-format R2LM folder `dst` from a DeepSpeed checkpoint; returns `dst`.
 
-    model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it."""
+    model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it.
+    frozen: (names, source folder, training dtype) of the parameters the run did not train (train/pretrain.py)."""
     from r2lm import R2LMConfig
 
     root, tag = resolve_checkpoint(ckpt, tag)
@@ -93,6 +110,8 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
     verify_checkpoint(folder)  # a damaged shard is named here, not exported as wrong weights
     logger.info("reassembling fp32 weights from %s", folder)
     state = load_fp32_state_dict(root, tag)
+    if frozen is not None:
+        restore_frozen(state, *frozen, folder)
     check_finite(state, folder)
     model = build_model(config, state, dtype)
     model.config.dtype = dtype
