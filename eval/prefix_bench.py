@@ -270,7 +270,7 @@ def run_generate(model, workload: Workload, capacity: int, args, label: str) -> 
         for p in POLICIES[i % 3:] + POLICIES[: i % 3]:  # rotate who goes first
             cache = caches[p]
             before = (cache.stats.hit_tokens, cache.stats.lookup_tokens) if cache else (0, 0)
-            matched = len(cache.match(h)) * args.block_tokens if cache else 0  # full blocks held (no side effects)
+            matched = len(cache.match(config, h)) * args.block_tokens if cache else 0  # full blocks held (no side effects)
             seconds, logits[p] = first_token(model, ids, cache)
             r = rec[p]
             r["ttft"].append(seconds)
