@@ -148,16 +148,19 @@ def test_resume_checks(full_run, inputs, tmp_path):
         run_inprocess(overrides(inputs, tmp_path / "other", f"resume={copy}", "steps=8"))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_freeze_backbone_trains_only_the_sidecars(inputs, tmp_path, precision):
-    """Under bf16 (what precision=auto picks on a GPU) the frozen weights live only in the bf16 module: the export
-    takes them from the model the run started from, bit for bit, not rounded."""
+@pytest.mark.parametrize("precision, zero", [("fp32", 2), ("bf16", 2), ("bf16", 1), ("fp32", 3)])
+def test_freeze_backbone_trains_only_the_sidecars(inputs, tmp_path, precision, zero):
+    """Frozen weights have no fp32 master copy: under bf16 (what precision=auto picks on a GPU) the checkpoint holds
+    them rounded, at ZeRO-1 not at all; the export takes them from the model the run started from, bit for bit."""
     result = run_inprocess(overrides(inputs, tmp_path / "frozen", "freeze_backbone=true", "steps=3", "eval_every=0",
-                                     f"precision={precision}"))
+                                     f"precision={precision}", f"deepspeed=configs/deepspeed/zero{zero}.json"))
     before, after = weights(inputs[1]), weights(result.export_dir)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".sidecar." in k for k in changed)
     assert any(k.endswith("sidecar.gate") for k in changed)
+    cli = tmp_path / "cli"  # the converter's export of the same checkpoint: the same weights
+    assert convert_main(["deepspeed-to-hf", str(tmp_path / "frozen"), str(cli)]) == 0
+    assert_same_weights(weights(cli), after)
 
 
 @pytest.mark.parametrize("extra", [

@@ -78,13 +78,12 @@ def save_adapter_config(module, folder: Path) -> None:
     module.peft_config["default"].save_pretrained(str(folder))
 
 
-def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, overwrite: bool = False,
-                   trained_in: torch.dtype = torch.float32) -> Path:
+def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """The adapter of a LoRA training checkpoint (DeepSpeed, any ZeRO stage) -> peft folder `dst`, atomically.
 
-    The frozen weights in the checkpoint must equal `base_dir`'s (the run's starting checkpoint) as the run held
-    them (`trained_in`: a bf16 run keeps them only in bf16): merging the adapter into that base then gives the
-    trained model."""
+    The frozen weights the checkpoint holds (in the dtype the run held them: a bf16 run's are bf16; ZeRO-1 saves
+    none) must equal `base_dir`'s (the run's starting checkpoint): merging the adapter into that base then gives
+    the trained model."""
     from peft import LoraConfig, get_peft_model
 
     from r2lm import R2LMForDiffusionLM
@@ -99,12 +98,12 @@ def export_adapter(ckpt, dst, base_dir, dtype: torch.dtype = torch.float32, over
     base = R2LMForDiffusionLM.from_pretrained(base_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
     expected = model.state_dict()
-    tied = {"base_model.model.lm_head.weight"} if base.config.tie_word_embeddings else set()
-    missing, unexpected = sorted(set(expected) - set(state) - tied), sorted(set(state) - set(expected))
+    missing = sorted(k for k in set(expected) - set(state) if ".lora_" in k)
+    unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match a LoRA model of {base_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     moved = [k for k in state if ".lora_" not in k
-             and not torch.equal(state[k], expected[k].to(trained_in).to(state[k].dtype))]
+             and not torch.equal(state[k], expected[k].to(state[k].dtype))]
     if moved:
         raise ValueError(f"the frozen weights of {folder} differ from {base_dir} ({moved[:3]}...): export the adapter "
                          "against the checkpoint the run started from")

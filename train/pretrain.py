@@ -699,17 +699,12 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
     export_dir = None
     if cfg.export and end == cfg.steps:
         export_dir = run_dir / "final"
-        # the frozen weights, and the dtype the module held them in (they have no fp32 master copy)
-        held = [(name, p.dtype) for name, p in engine.module.named_parameters() if not p.requires_grad]
         if rank == 0 and cfg.lora.enabled:  # the adapter alone; python -m convert merge-lora merges it
-            export_adapter(last_ckpt, export_dir, model_dir, dtype=getattr(torch, export_dtype), overwrite=True,
-                           trained_in=held[0][1])
+            export_adapter(last_ckpt, export_dir, model_dir, dtype=getattr(torch, export_dtype), overwrite=True)
         elif rank == 0:
             from r2lm.checkpoints import export_deepspeed_checkpoint
 
-            frozen = ([name for name, _ in held], model_dir, held[0][1]) if held else None
-            export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True,
-                                        frozen=frozen)
+            export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True)
         dist.barrier()
     elif end < cfg.steps:
         logger.info("stopped at step %d of %d (stop_at); rerun with resume=auto to continue", end, cfg.steps)

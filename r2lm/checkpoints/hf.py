@@ -65,10 +65,10 @@ def check_weights(src: Path) -> list[Path]:
     return files
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file. Raises ValueError naming the file."""
+def read_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (only those in `names`, if given). Raises ValueError naming the file."""
     with _opened(path) as f:
-        return {name: f.get_tensor(name) for name in f.offset_keys()}
+        return {name: f.get_tensor(name) for name in f.offset_keys() if names is None or name in names}
 
 
 @contextlib.contextmanager

@@ -56,19 +56,33 @@ def build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype):
     return model.eval()
 
 
-def restore_frozen(state: dict[str, torch.Tensor], names, source, trained_in: torch.dtype, folder) -> None:
-    """Frozen parameters have no fp32 master copy: DeepSpeed saves them from the training module, in its dtype, so
-    a bf16 run of an fp32 model would export them rounded. Unchanged by definition, they are taken from the model
-    the run started from, after checking that the checkpoint holds exactly that model's weights in `trained_in`."""
-    from r2lm.checkpoints.hf import read_state_dict
+def restore_frozen(state: dict[str, torch.Tensor], config, folder: Path) -> None:
+    """Frozen parameters (freeze_backbone, attention transfer) have no fp32 master copy: DeepSpeed saves them from
+    the training module, in its dtype (a bf16 run of an fp32 model: rounded), and at ZeRO stage 1 not at all. They
+    are the weights the run started from, so they are read from that model (the trainer state's model_path),
+    checked against the checkpoint's copy where it has one. Checkpoints of other trainers are left as they are."""
+    from r2lm import R2LMForDiffusionLM
+    from r2lm.checkpoints.hf import read_tensors, weight_files
+    from r2lm.checkpoints.training import read_state
 
-    weights = read_state_dict(Path(source))
-    for name in names:
-        held = state[name]
-        if name not in weights or not torch.equal(held, weights[name].to(trained_in).to(held.dtype)):
-            raise ValueError(f"the frozen {name} of {folder} is not {source}'s (held in {trained_in}): export from the "
-                             "model the run started from")
-        state[name] = weights[name]  # (DeepSpeed's reassembly returns these in the training dtype)
+    with torch.device("meta"):
+        wanted = R2LMForDiffusionLM(config).state_dict().keys() - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    rounded = {k for k, v in state.items() if v.is_floating_point() and v.dtype != torch.float32}
+    names = rounded | (wanted - state.keys())
+    source = read_state(folder).get("model_path") if (folder / "trainer_state.json").is_file() else None
+    if not names or source is None:
+        return
+    weights = {}
+    for path in weight_files(Path(source)):
+        weights.update(read_tensors(path, names))
+    for name in sorted(names):
+        if name not in weights:
+            raise ValueError(f"{folder} holds {name} only in {state[name].dtype if name in state else 'no copy'}, and "
+                             f"the model the run started from ({source}) has none")
+        if name in rounded and not torch.equal(state[name], weights[name].to(state[name].dtype)):
+            raise ValueError(f"the frozen {name} of {folder} is not that of the model the run started from ({source}): "
+                             "that folder changed since the run")
+        state[name] = weights[name]
 
 
 def parameter_bytes(config, dtype: torch.dtype) -> int:
@@ -80,12 +94,10 @@ def parameter_bytes(config, dtype: torch.dtype) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False,
-                                frozen=None) -> Path:
+def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None = None, model_config=None, overwrite=False) -> Path:
     """Write the HF-format R2LM folder `dst` from a DeepSpeed checkpoint; returns `dst`.
 
-    model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it.
-    frozen: (names, source folder, training dtype) of the parameters the run did not train (train/pretrain.py)."""
+    model_config: a folder with config.json (and tokenizer) to use when the checkpoint has none beside it."""
     from r2lm import R2LMConfig
 
     root, tag = resolve_checkpoint(ckpt, tag)
@@ -110,8 +122,7 @@ def export_deepspeed_checkpoint(ckpt, dst, tag=None, dtype: torch.dtype | None =
     verify_checkpoint(folder)  # a damaged shard is named here, not exported as wrong weights
     logger.info("reassembling fp32 weights from %s", folder)
     state = load_fp32_state_dict(root, tag)
-    if frozen is not None:
-        restore_frozen(state, *frozen, folder)
+    restore_frozen(state, config, folder)
     check_finite(state, folder)
     model = build_model(config, state, dtype)
     model.config.dtype = dtype
