@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from eval import likelihood as lk
 from r2lm import scoring
+from r2lm.device import device_available
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -68,18 +69,10 @@ def resolve_device(device: str | None) -> str:
         wanted = torch.device(device)
     except RuntimeError:  # not a device name at all
         wanted = None
-    if wanted is not None and _available(wanted):
+    if wanted is not None and device_available(wanted):
         return str(device)
     logger.warning("device %r is not available on this machine; using %s", device, default)
     return default
-
-
-def _available(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if device.type == "mps":
-        return torch.backends.mps.is_available()
-    return True  # cpu, or an accelerator torch has no common probe for: loading the model onto it will tell
 
 
 def _flag(value) -> bool:

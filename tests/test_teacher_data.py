@@ -154,10 +154,14 @@ def test_dtype_is_a_setting_with_auto_resolved(inputs, tmp_path):
     shutil.copytree(model_dir, teacher)
     config = json.loads((teacher / "config.json").read_text())
     (teacher / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    from train.teacher_data import checkpoint_dtype
+
+    assert checkpoint_dtype(str(teacher)) == "bfloat16"  # what auto stands for on a GPU
     out = tmp_path / "cpu.jsonl"
     run(*common(teacher, heldout, out, "--max-prompts", "3", "--device", "cpu"))
-    expect_refusal(common(teacher, heldout, out, "--max-prompts", "6", "--device", "cuda"),
-                   r"other settings \(dtype: 'float32' in the file, 'bfloat16' now\)", out)
+    refusal = (r"other settings \(dtype: 'float32' in the file, 'bfloat16' now\)" if torch.cuda.is_available() else
+               r"--device: device 'cuda': this machine has none")  # (and a machine without one says so first)
+    expect_refusal(common(teacher, heldout, out, "--max-prompts", "6", "--device", "cuda"), refusal, out)
 
 
 @pytest.mark.parametrize("damage,message", [

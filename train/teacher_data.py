@@ -206,10 +206,12 @@ def device_and_dtype(args) -> tuple[str, str]:
     """The device and the concrete dtype the teacher runs in ("auto": float32 on CPU, the checkpoint's on GPU)."""
     import torch
 
+    from r2lm.device import resolve_device
+
     try:
-        device = str(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    except RuntimeError as err:
-        raise ValueError(f"--device {args.device}: {err}") from None
+        device = str(resolve_device(args.device))
+    except ValueError as err:
+        raise ValueError(f"--device: {err}") from None
     if args.dtype != "auto":
         return device, args.dtype
     return device, "float32" if torch.device(device).type == "cpu" else checkpoint_dtype(args.teacher)

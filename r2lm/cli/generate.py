@@ -75,17 +75,12 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
 
 def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
     """The --device, one this machine has (torch would fail with an assertion deep in the first copy)."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from r2lm.device import resolve_device
+
     try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        parser.error(f"--device {name}: {err}")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {name}: give cpu or cuda[:N]")
-    return device
+        return resolve_device(name)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
 
 
 def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
