@@ -371,12 +371,14 @@ def test_fused_commits_equal_separate_commits_and_recompute(kind):
     assert fused.nfe <= fused.steps + prefill
 
 
+@pytest.mark.parametrize("kind", [dict(attention="block_causal"), dict(hybrid_layers=[0, 2], hybrid_feature_dim=8)],
+                         ids=["block_causal", "hybrid"])
 @pytest.mark.parametrize("n, block_size", [(13, 4), (6, 5), (11, 5)])
-def test_a_one_token_last_block_equals_recompute_under_block_causal(n, block_size):
-    """A last block of one token has a clean window (under shift: the token before it). Only causal attention
-    may commit it as it is read: under block_causal attention the previous block's clean columns, read in the
-    same forward, would make one chunk with it and see it."""
-    model = peaky(attention="block_causal", sidecar_layers=[], block_size=block_size)
+def test_a_one_token_last_block_equals_recompute(n, block_size, kind):
+    """A last block of one token has a clean window (under shift: the token before it). Only plain causal
+    attention may commit it as it is read: read in the same forward as the previous block's clean columns it
+    would share their chunk (block_causal attention would let them see it, block-hybrid layers fold chunks)."""
+    model = peaky(sidecar_layers=[], block_size=block_size, **kind)
     ids, mask = prompts(batch=16, length=7)
     options = dict(max_new_tokens=n, block_size=block_size, threshold=0.9, eos_token_id=[])
     cached = generate(model, ids, mask, **options)

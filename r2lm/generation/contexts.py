@@ -69,9 +69,10 @@ class ExactCache:
         self.reader = WindowReader(model, cache, compile=r.compile)
         self.reader.forwards = forwards
         # A window without [MASK] can be committed by the forward that reads it only where that forward equals the
-        # commit: no active sidecar (it would touch the window) and causal attention (under block_causal the
-        # previous block's clean columns, read with it as one clean span, would see it) -- the AR baseline.
-        self.clean_commits = (model.config.prediction == "shift" and model.config.attention == "causal"
+        # commit: no active sidecar (it would touch the window), causal attention and no block-hybrid layers (the
+        # previous block's clean columns, read with it as one clean span, would share its chunk) -- the AR baseline.
+        config = model.config
+        self.clean_commits = (config.prediction == "shift" and config.attention == "causal" and not config.hybrid_layers
                               and not sidecars_active(model))
         self.pending = None  # a finished block's clean columns, appended by the next read
         self.committed = False  # the block being decoded was committed by the read of its clean window
