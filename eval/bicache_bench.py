@@ -142,6 +142,8 @@ def masked_scores(model, samples, args, tables):
     For scale, `kl_other_prefix` is KL(exact || exact with another sample's prefix of the same length): how much the
     predictions depend on the prefix at all. A reuse error is small or large relative to that."""
     L, mask_id, q = model.config.num_hidden_layers, model.config.mask_token_id, args.question_tokens
+    # the columns that predict the continuation after[q:]: its own under inplace (LLaDA), one earlier under shift
+    predicting = slice(q - 1, -1) if model.config.prediction == "shift" else slice(q, None)
     gen = torch.Generator().manual_seed(0)
     same_length = {}
     for prefix, _ in samples:
@@ -159,7 +161,7 @@ def masked_scores(model, samples, args, tables):
             entry = BiCache(entry_table(tables)).add(model, prefix)
             scores, exact = [], None
             for depth in range(L + 1):  # depth 0 is the exact forward
-                logp = stitched_forward(model, entry, rest, depth)[0, q:][masked].log_softmax(-1)
+                logp = stitched_forward(model, entry, rest, depth)[0, predicting][masked].log_softmax(-1)
                 exact = logp if exact is None else exact
                 scores.append(torch.stack([F.nll_loss(logp, target[masked], reduction="sum"),
                                            (logp.argmax(-1) == target[masked]).sum().float(),
@@ -167,7 +169,7 @@ def masked_scores(model, samples, args, tables):
             group = same_length[len(prefix)]
             other = group[(group.index(prefix) + 1) % len(group)]
             other_logp = stitched_forward(model, BiCache(entry_table(tables)).add(model, other), rest, 0)
-            kl_other += float(F.kl_div(other_logp[0, q:][masked].log_softmax(-1), exact, log_target=True, reduction="sum"))
+            kl_other += float(F.kl_div(other_logp[0, predicting][masked].log_softmax(-1), exact, log_target=True, reduction="sum"))
             by_depth += torch.stack(scores)
             for tau, table in tables.items():
                 by_tau[tau] += scores[table.depth(prefix_ratio(len(prefix), rest.shape[1]))]
@@ -227,6 +229,8 @@ def main(argv=None) -> None:
     model = R2LMForDiffusionLM.from_pretrained(args.model).eval()
     if model.config.attention != "bidirectional":
         raise SystemExit(f"{args.model} is a {model.config.attention} model; BiCache is for bidirectional ones")
+    if model.config.prediction == "shift" and args.question_tokens < 1:
+        raise SystemExit("--question-tokens must be >= 1 for a shift model: the token before the continuation predicts it")
     L, mask_id = model.config.num_hidden_layers, model.config.mask_token_id
     profile_half, eval_half = halves(tokenizer, args.corpus / "heldout.txt")
 

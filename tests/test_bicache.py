@@ -347,3 +347,30 @@ def test_generate_refuses_bad_bicache_arguments():
         decode(bidir(hidden_size=32, head_dim=8), prompt, bicache=store)
     with pytest.raises(ValueError, match="depth must be in"):
         stitched_forward(bi, store.match([ids(5).tolist()]), prompt, L + 1)
+
+
+@pytest.mark.parametrize("prediction", ["inplace", "shift"])
+def test_the_bench_scores_the_columns_that_predict_the_continuation(prediction):
+    """eval/bicache_bench.py's exact (depth 0) masked CE equals the CE of a plain full forward read at the columns
+    that predict each token: its own under inplace (LLaDA), the one before under shift (Dream)."""
+    import argparse
+
+    import torch.nn.functional as F
+
+    from eval.bicache_bench import masked_scores
+
+    model = tiny_r2lm(seed=3, attention="bidirectional", prediction=prediction, sidecar_layers=[])
+    g = torch.Generator().manual_seed(0)
+    q, n = 4, 6
+    samples = [(torch.randint(0, MASK_ID - 1, (8,), generator=g).tolist(),
+                torch.randint(0, MASK_ID - 1, (q + n,), generator=g).tolist()) for _ in range(2)]
+    tables = {0.9: SafeDepthTable([0.0], [0], model.config.num_hidden_layers, 0.9, 0.0)}
+    got = masked_scores(model, samples, argparse.Namespace(question_tokens=q), tables)["all_masked"]["loss_by_depth"][0]
+    first = q - 1 if prediction == "shift" else q
+    total = 0.0
+    for prefix, after in samples:
+        ids = torch.tensor([prefix + after[:q] + [MASK_ID] * n])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prefix) + first : len(prefix) + first + n]
+        total += float(F.cross_entropy(logits, torch.tensor(after[q:]), reduction="sum"))
+    assert got == pytest.approx(total / (2 * n), rel=1e-4)
