@@ -31,7 +31,16 @@ in_use() {  # $1: a lock file held by someone else
 }
 # DIR is emptied and rebuilt, so it must be a quickstart's own: new, empty, or marked by an earlier quickstart
 MARK="$RUN/.quickstart"
-if [ -e "$RUN" ] && { [ ! -d "$RUN" ] || { [ ! -e "$MARK" ] && [ -n "$(ls -A -- "$RUN")" ]; }; }; then
+unmarked() {  # one made before the mark existed: its run.lock and the quickstart's outputs, nothing else
+  [ -e "$RUN/run.lock" ] || return 0
+  local entry
+  for entry in "$RUN"/* "$RUN"/.[!.]*; do
+    [ -e "$entry" ] || continue
+    case "$(basename -- "$entry")" in run.lock | corpus | base | r2lm | tiny_cpu | smollm2) ;; *) return 0 ;; esac
+  done
+  return 1
+}
+if [ -e "$RUN" ] && { [ ! -d "$RUN" ] || { [ ! -e "$MARK" ] && [ -n "$(ls -A -- "$RUN")" ] && unmarked; }; }; then
   echo "error: $RUN is not a quickstart's folder (it is not a folder, or it holds files and no $MARK); the" \
     "quickstart empties its folder, so it leaves this one alone: choose a new or empty folder: bash scripts/quickstart.sh DIR" >&2
   exit 1

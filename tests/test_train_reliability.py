@@ -353,11 +353,32 @@ def test_quickstart_refuses_a_folder_it_did_not_make(tmp_path, how):
     assert result.returncode != 0
     assert f"error: {folder} is not a quickstart's folder" in result.stderr
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == ["thesis", "thesis/chapter1.tex"]
+    (folder / "run.lock").write_text("")  # an earlier quickstart's lock beside the user's files: still refused
+    result = run_cli(args, timeout=60, env=env)
+    assert result.returncode != 0 and f"error: {folder} is not a quickstart's folder" in result.stderr
     file = tmp_path / "a_file"
     file.write_text("not a folder\n")
     result = run_cli(["bash", "scripts/quickstart.sh", str(file)], timeout=60)
     assert result.returncode != 0 and f"error: {file} is not a quickstart's folder" in result.stderr
     assert file.read_text() == "not a folder\n"
+
+
+def test_quickstart_takes_back_a_folder_an_earlier_quickstart_made(tmp_path):
+    """Folders made before the .quickstart mark hold its run.lock and its outputs only: they are still its own.
+    (The run is stopped right after its clean-up by a python that fails: nothing else of the job runs.)"""
+    folder = tmp_path / "qs"
+    for name in ("corpus", "r2lm", "smollm2"):
+        (folder / name).mkdir(parents=True)
+    (folder / "run.lock").write_text("")
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    for tool in ("python", "pip"):
+        (stub / tool).write_text("#!/bin/sh\nexit 1\n")
+        (stub / tool).chmod(0o755)
+    result = run_cli(["bash", "scripts/quickstart.sh", str(folder)], timeout=60,
+                     env={"PATH": f"{stub}:{os.environ['PATH']}", "VIRTUAL_ENV": str(tmp_path / "none")})
+    assert "is not a quickstart's folder" not in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == [".quickstart", "run.lock"]  # emptied, marked
 
 
 # ---------------------------------------------------------------------------------------------- 14: training data

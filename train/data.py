@@ -220,6 +220,8 @@ def is_heldout_text(text: str, fraction: float) -> bool:
     """Streaming: a document has no stable position (datasets shuffles the order of the files and splits them
     across ranks beneath any filter, and a filter's index restarts per file), so it is held out by a hash of its
     text: about `fraction` of the documents, the same ones in every order and on every rank."""
+    if not isinstance(text, str):  # kept for training, where encode() names the bad record
+        return False
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
 
 

@@ -86,7 +86,8 @@ def init_distributed(rank: int, world: int) -> None:
     a 64 MiB shared-memory allreduce workspace per rank (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_
     <rank>) and never unlinks it, so each CPU run kept 64 MiB of RAM per rank until the machine rebooted. Every
     rank's init maps every rank's workspace before it returns, so after a barrier each rank unlinks the name of its
-    own; the mappings stay valid until the processes end (a crash later leaves nothing behind either)."""
+    own; the mappings stay valid until the processes end (a crash later leaves nothing behind either). (The oneCCL
+    backend, not used here, makes the same workspace and is left as it is.)"""
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.comm import comm
@@ -247,7 +248,6 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "train.log", "checkpoints", "final"
 def check_output_dir(cfg: TrainConfig, model_dir: Path) -> None:
     """A run writes RUN_FILES into output_dir and replaces final/ at the end: refuse an output_dir that would
     overwrite the model it trains, or files that are not a run's (a folder that never held a run has no lock file)."""
-    from r2lm.checkpoints import check_replaceable
     from train.lock import LOCK_FILE
 
     out, model = Path(cfg.output_dir).resolve(), model_dir.resolve()
@@ -262,11 +262,16 @@ def check_output_dir(cfg: TrainConfig, model_dir: Path) -> None:
         if taken:
             raise ValueError(f"output_dir {cfg.output_dir} is not a training run's folder (no {LOCK_FILE}) but holds "
                              f"{', '.join(taken)}, which a run writes: move them, or choose another output_dir")
-    if cfg.export:  # now, not after the training: the export replaces only an earlier export, unedited
-        try:
-            check_replaceable(out / "final", overwrite=True)
-        except ValueError as err:
-            raise ValueError(f"export: {err}") from None
+
+
+def check_export(cfg: TrainConfig) -> None:
+    """The export replaces only an earlier export of a run (output_dir/final, unedited: its manifest's sha256)."""
+    from r2lm.checkpoints import check_replaceable
+
+    try:
+        check_replaceable(Path(cfg.output_dir) / "final", overwrite=True)
+    except ValueError as err:
+        raise ValueError(f"export: {err}") from None
 
 
 def resume_candidates(cfg: TrainConfig) -> list[Path]:
@@ -553,6 +558,8 @@ def train(cfg: TrainConfig) -> Result:
     # one run per output_dir: rank 0 holds the lock for the run's ranks; a refused run stops on every rank
     lock = rank0_decides(lambda: RunLock(cfg.output_dir), rank, dist, share=False)
     try:
+        if cfg.export:  # now, not after the training (rank 0: it hashes final/'s files)
+            rank0_decides(lambda: check_export(cfg), rank, dist)
         return run(cfg, plan, rank, local_rank, world, dist, lock)
     finally:
         if lock is not None:

@@ -456,7 +456,7 @@ def generate_records(args) -> int:
     try:
         written = locked_generate_records(args, out)
     except BaseException:
-        lock.release(discard=True)  # and the folders it made: a run that failed leaves no lock file it created
+        lock.release(discard=True)  # let go; the folders it made (and their lock file) are removed again
         raise
     lock.release()
     return written

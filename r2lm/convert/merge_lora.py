@@ -61,7 +61,7 @@ def check_tied_targets(model_config, target_modules, what: str) -> None:
     if isinstance(target_modules, str):  # peft: a regular expression over the full module names
         hit = [name for name in ("lm_head", "model.embed_tokens") if re.fullmatch(target_modules, name)]
     else:
-        hit = [name for name in target_modules if name in ("lm_head", "embed_tokens")]
+        hit = [name for name in target_modules if name.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]  # peft: suffix
     if hit:
         raise ValueError(f"{what} puts a LoRA on {', '.join(hit)} of a model with tied embeddings (lm_head and "
                          "embed_tokens share one weight): merged, it would change both; leave them out")
