@@ -9,6 +9,7 @@ linear attention.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -200,6 +201,20 @@ class R2LMConfig(PreTrainedConfig):
                 f"rope_type {rope_type!r} is not supported: its frequencies change with the sequence length, which "
                 f"would make cached keys inexact; supported: {ROPE_TYPES}"
             )
+
+    def check_lora_targets(self, target_modules, what: str) -> None:
+        """Refuse a LoRA on lm_head or embed_tokens when the two share one weight (tie_word_embeddings): merging it
+        adds B @ A to the shared weight, which changes the other one too, so the merged model is not the adapted
+        one. `target_modules` as peft reads it: names matched as suffixes, or one regular expression."""
+        if not self.tie_word_embeddings:
+            return
+        if isinstance(target_modules, str):
+            hit = [name for name in ("lm_head", "model.embed_tokens") if re.fullmatch(target_modules, name)]
+        else:
+            hit = [name for name in target_modules if name.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]
+        if hit:
+            raise ValueError(f"{what} puts a LoRA on {', '.join(hit)} of a model with tied embeddings (lm_head and "
+                             "embed_tokens share one weight): merged, it would change both; leave them out")
 
     @property
     def num_sidecar_parameters(self) -> int:

@@ -33,7 +33,6 @@ def lora_config(section):
 def check_lora(cfg, model_config) -> None:
     """Reject a LoRA run that cannot work, before any work starts (ValueError)."""
     from r2lm import R2LMForDiffusionLM
-    from r2lm.convert.merge_lora import check_tied_targets
 
     if cfg.objective == "attention_transfer":
         raise ValueError("lora.enabled does not combine with objective attention_transfer: stage 1 trains only the feature "
@@ -50,7 +49,7 @@ def check_lora(cfg, model_config) -> None:
     unknown = [name for name in cfg.lora.target_modules if name not in linear]
     if unknown:
         raise ValueError(f"lora.target_modules {unknown} name no linear layer of the model (it has: {', '.join(linear)})")
-    check_tied_targets(model_config, cfg.lora.target_modules, "lora.target_modules")
+    model_config.check_lora_targets(cfg.lora.target_modules, "lora.target_modules")
 
 
 def wrap(model, section):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -51,20 +50,6 @@ def read_adapter(adapter: Path):
     weights = read_tensors(adapter / ADAPTER_WEIGHTS)
     check_finite(weights, adapter)
     return config, weights
-
-
-def check_tied_targets(model_config, target_modules, what: str) -> None:
-    """Refuse a LoRA on lm_head or embed_tokens of a model whose two share one weight (tie_word_embeddings): merging
-    it adds B @ A to the shared weight, which changes the other one too, so the merged model is not the adapted one."""
-    if not model_config.tie_word_embeddings:
-        return
-    if isinstance(target_modules, str):  # peft: a regular expression over the full module names
-        hit = [name for name in ("lm_head", "model.embed_tokens") if re.fullmatch(target_modules, name)]
-    else:
-        hit = [name for name in target_modules if name.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]  # peft: suffix
-    if hit:
-        raise ValueError(f"{what} puts a LoRA on {', '.join(hit)} of a model with tied embeddings (lm_head and "
-                         "embed_tokens share one weight): merged, it would change both; leave them out")
 
 
 def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
@@ -107,7 +92,7 @@ def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: b
         raise ValueError(f"{src} is not an R2LM checkpoint; convert it first (r2lm-convert from-hf ...)")
     check_weights(src)
     config, weights = read_adapter(adapter)
-    check_tied_targets(R2LMConfig.from_pretrained(src), config.target_modules, f"adapter {adapter}")
+    R2LMConfig.from_pretrained(src).check_lora_targets(config.target_modules, f"adapter {adapter}")
     base = R2LMForDiffusionLM.from_pretrained(src, dtype=torch.float32)
     check_finite(base.state_dict(), src)
     out_dtype = dtype or base.config.dtype or torch.float32
