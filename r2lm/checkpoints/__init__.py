@@ -49,9 +49,8 @@ from r2lm.checkpoints.zero import export_deepspeed_checkpoint, load_fp32_state_d
 
 __all__ = [
     "LEGACY_MANIFEST", "MANIFEST", "OVERWRITE_HELP", "STATE_FILE", "DamagedCheckpointError", "atomic_output_dir",
-    "check_destination", "check_finite", "check_replaceable", "check_weights", "complete_checkpoints", "copy_tokenizer_files",
-    "export_deepspeed_checkpoint", "first_intact", "has_tokenizer", "latest_checkpoint", "load_fp32_state_dict",
-    "parameter_bytes", "read_config", "read_manifest", "read_state", "read_state_dict", "read_tensors", "resolve_checkpoint",
-    "seal",
-    "tag_of", "verify_checkpoint", "weight_files", "write_checkpoint",
+    "check_destination", "check_finite", "check_replaceable", "check_weights", "complete_checkpoints",
+    "copy_tokenizer_files", "export_deepspeed_checkpoint", "first_intact", "has_tokenizer", "latest_checkpoint",
+    "load_fp32_state_dict", "parameter_bytes", "read_config", "read_manifest", "read_state", "read_state_dict",
+    "read_tensors", "resolve_checkpoint", "seal", "tag_of", "verify_checkpoint", "weight_files", "write_checkpoint",
 ]
