@@ -48,12 +48,12 @@ def launch(items, timeout=240):
 
 def test_a_run_leaves_no_shared_memory_behind(tmp_path):
     """DeepSpeed's CPU backend creates a 64 MiB /dev/shm workspace per rank and never removes it; the ranks of a run
-    remove theirs once all are mapped (train.pretrain.init_distributed), and still reduce through them."""
+    remove theirs once all are mapped (train.distributed.init_distributed), and still reduce through them."""
     script = tmp_path / "ranks.py"
     script.write_text(
         "import torch, deepspeed\n"
         "from deepspeed import comm as dist\n"
-        "from train.pretrain import init_distributed, setup_environment\n"
+        "from train.distributed import init_distributed, setup_environment\n"
         "rank, _, world = setup_environment()\n"
         "deepspeed.init_distributed(verbose=False)  # DeepSpeed's own: the workspaces exist now\n"
         "import glob, os\n"
