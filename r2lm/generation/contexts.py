@@ -55,13 +55,17 @@ class ExactCache:
         batch = r.input_ids.shape[0]
         room = r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1] + extra_room
         self.pinned, forwards, self.head = [], 0, None
+        config = model.config
+        # plain causal attention: a clean span read with what follows it keeps its own keys and states (no chunk
+        # it shares with later columns: block_causal attention sees within a chunk, block-hybrid layers fold chunks)
+        plain_causal = config.attention == "causal" and not config.hybrid_layers
         if r.prefix_cache is not None:  # rows resume from their cached prefixes
             rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
             self.prefix_cache = r.prefix_cache
             cache, self.pinned, forwards = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + room - head.shape[1])
         else:
             cache = KVCache(model.config, batch, room, model.dtype, model.device)
-            if head.shape[1] and model.config.attention == "causal" and not model.config.hybrid_layers:
+            if head.shape[1] and plain_causal:
                 self.head = (head, head_mask)  # appended by the forward that reads the first window
             elif head.shape[1]:  # (the prompt on the block grid, or folded block by block: its own forward)
                 model.prefill(head, cache, attention_mask=head_mask)
@@ -69,11 +73,9 @@ class ExactCache:
         self.reader = WindowReader(model, cache, compile=r.compile)
         self.reader.forwards = forwards
         # A window without [MASK] can be committed by the forward that reads it only where that forward equals the
-        # commit: no active sidecar (it would touch the window), causal attention and no block-hybrid layers (the
-        # previous block's clean columns, read with it as one clean span, would share its chunk) -- the AR baseline.
-        config = model.config
-        self.clean_commits = (config.prediction == "shift" and config.attention == "causal" and not config.hybrid_layers
-                              and not sidecars_active(model))
+        # commit: no active sidecar (it would touch the window), plain causal attention (the previous block's clean
+        # columns are read with it as one clean span) -- the AR baseline.
+        self.clean_commits = config.prediction == "shift" and plain_causal and not sidecars_active(model)
         self.pending = None  # a finished block's clean columns, appended by the next read
         self.committed = False  # the block being decoded was committed by the read of its clean window
 
