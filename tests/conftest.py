@@ -76,3 +76,14 @@ def tiny_tokenizer(vocab_size=VOCAB - 4):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(text, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def damage_weights(folder, damage: str = "truncated") -> str:
+    """Damage `folder`'s model.safetensors as an interrupted copy ("truncated") or a lost file ("missing"); returns
+    the start of the error every reader of it must give."""
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:3000])
+        return f"cannot read {weights}: "
+    weights.unlink()
+    return f"{folder} has no safetensors weights"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_hf_config, tiny_tokenizer
+from conftest import damage_weights, tiny_hf_config, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from test_importers import dream_checkpoint, llada2_checkpoint, llada_checkpoint
 from test_merge_lora import make_adapter
@@ -495,13 +495,7 @@ def test_unreadable_weights_are_named(command, damage, request, tmp_path, capsys
     """Every converter reads its source's weights through one reader: a clear error, not a SafetensorError or
     OSError traceback, and nothing written."""
     conv = conversion(command, request).copied_to(tmp_path / "in")
-    weights = conv.sources[0] / "model.safetensors"
-    if damage == "truncated":
-        weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
-        message = f"cannot read {weights}: "
-    else:
-        weights.unlink()
-        message = f"{conv.sources[0]} has no safetensors weights"
+    message = damage_weights(conv.sources[0], damage)
     assert main(conv.argv(tmp_path / "out")) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and hidden(tmp_path) == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_hf_config, tiny_tokenizer
+from conftest import damage_weights, tiny_hf_config, tiny_tokenizer
 from test_train_helpers import make_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,13 +134,7 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
 def test_unreadable_weights_are_named(checkpoint, tmp_path, capsys, damage):
     """A usage error naming the weights file, as the converters give, not a SafetensorError or OSError traceback."""
     copy = Path(shutil.copytree(checkpoint, tmp_path / "model"))
-    weights = copy / "model.safetensors"
-    if damage == "truncated":
-        weights.write_bytes(weights.read_bytes()[:3000])  # an interrupted copy
-        message = f"cannot read {weights}: "
-    else:
-        weights.unlink()
-        message = f"{copy} has no safetensors weights"
+    message = damage_weights(copy, damage)
     with pytest.raises(SystemExit) as exit_:
         main([str(copy), "--prompt", "x"])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
