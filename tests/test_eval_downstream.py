@@ -56,7 +56,9 @@ def test_the_first_infilling_window_is_the_span_and_its_right_context():
     cache = model.new_cache(4, 32)
     model.prefill(left[:, :-1], cache, attention_mask=mask[:, :-1])
     window = torch.cat([left[:, -1:], torch.full((4, 3), MASK_ID), right], 1)
-    torch.testing.assert_close(seen[0], model.denoise(window, cache)[:, :3], atol=1e-5, rtol=1e-5)
+    # the decoder reads the prompt and the window in one forward, this oracle in two: float32 rounding of other
+    # matmul shapes (up to 5e-5 relative on some CPUs), where a wrong context differs by whole units
+    torch.testing.assert_close(seen[0], model.denoise(window, cache)[:, :3], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("m", [3, 6])
