@@ -14,7 +14,9 @@ Rows (status ok / FAIL / not installed; the exit status is 1 if any row FAILs):
   launcher on one GPU in bf16 (ZeRO-2, default attention: flex_attention on CUDA): finite losses, and the held-out
   loss (fixed noise, step 0 against the last step) decreases;
 - decode batch N: AR (r2lm.generate with block_size=1, the backbone without sidecars) against R2LM (sidecars,
-  threshold decoding) tokens/s on a SmolLM2-135M-shaped model with random weights, at batch 1 / 8 / 32.
+  threshold decoding) tokens/s on a SmolLM2-135M-shaped model with random weights, at batch 1 / 8 / 32;
+- verify == AR (fp32): verify=True with window drafts and with prompt-lookup drafts on that model (sidecar gates
+  open), a left-padded batch: the same tokens as AR greedy decoding.
 
 Writes --out/gpu_check.json as well.
 """
@@ -319,6 +321,31 @@ def check_decode(device, size) -> list[Row]:
     return rows
 
 
+def check_verify(device, size) -> Row:
+    """verify=True (window drafts, 2 windows, and prompt-lookup drafts) against AR greedy decoding of the backbone,
+    a left-padded batch in fp32: the same tokens, whatever the kernels do with b-column forwards."""
+    from r2lm import generate
+
+    ar, r2lm = (m.float() for m in decode_models(size, device))
+    with torch.no_grad():
+        for layer in r2lm.model.layers:
+            if layer.sidecar is not None:
+                layer.sidecar.gate.fill_(0.5)  # the drafter differs from the backbone; the output must not
+    vocab, n = ar.config.vocab_size - 1, size["decode_tokens"]
+    ids = torch.randint(0, vocab, (4, size["decode_prompt"]), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1:, : size["decode_prompt"] // 2] = 0  # rows with left padding
+    with torch.no_grad():
+        want = generate(ar, ids, mask, max_new_tokens=n, block_size=1, eos_token_id=[]).sequences
+        runs = {name: generate(r2lm, ids, mask, max_new_tokens=n, verify=True, eos_token_id=[], **options)
+                for name, options in (("window 8:2", dict(block_size=8, verify_windows=2)),
+                                      ("lookup 8", dict(block_size=8, verify_draft="lookup")))}
+    same = {name: torch.equal(out.sequences, want) for name, out in runs.items()}
+    return Row("verify == AR (fp32)", "ok" if all(same.values()) else "FAIL",
+               ", ".join(f"{name}: {'identical' if same[name] else 'DIFFERS'}, {out.tokens_per_forward:.2f} tokens/forward"
+                         for name, out in runs.items()) + f" (batch 4, left-padded, {n} new tokens, random weights)")
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -340,7 +367,8 @@ def run_checks(dry_run: bool, out: Path) -> list[Row]:
     checks += [(f"flex {n}", lambda n=n, k=k, lay=lay: check_flex(n, k, lay, device, size, attention_dtype))
                for n, k, lay in training_layouts(size, device)]
     checks += [("hybrid chunked", lambda: check_hybrid(device, size)),
-               ("train", lambda: check_training(device, size, work)), ("decode", lambda: check_decode(device, size))]
+               ("train", lambda: check_training(device, size, work)), ("decode", lambda: check_decode(device, size)),
+               ("verify", lambda: check_verify(device, size))]
     rows = []
     try:
         for name, check in checks:

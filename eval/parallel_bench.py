@@ -109,10 +109,13 @@ def reference_scores(reference, prompts, outputs: dict, new_tokens: int) -> dict
 
 @torch.no_grad()
 def verify_options(spec: str) -> dict:
-    """generate() options of a --verify entry: "B" (drafts of B tokens, every outcome pre-drafted) or "B:W"."""
+    """generate() options of a --verify entry: "B" (drafts of B tokens, every outcome pre-drafted), "B:W" (W
+    drafting windows) or "B:lookup" (drafts by prompt lookup, no drafting window)."""
     b, _, w = spec.partition(":")
-    if not (b.isdigit() and (not w or w.isdigit())):
-        raise ValueError(f"--verify takes B or B:W (positive integers), got {spec!r}")
+    if not (b.isdigit() and (not w or w.isdigit() or w == "lookup")):
+        raise ValueError(f"--verify takes B, B:W (positive integers) or B:lookup, got {spec!r}")
+    if w == "lookup":
+        return dict(block_size=int(b), verify_draft="lookup")
     return dict(block_size=int(b), verify_windows=int(w) if w else None)
 
 
@@ -143,11 +146,17 @@ def speed(model, prompts, args, batch: int) -> dict:
         options = verify_options(spec)
         runs[f"verify@{spec}"] = lambda o=options: generate(model, ids, max_new_tokens=n, verify=True, eos_token_id=[],
                                                             **o)
+    lookups = [verify_options(spec)["block_size"] for spec in args.verify if spec.endswith(":lookup")]
+    if lookups and batch == 1:  # transformers' own prompt lookup (assisted generation: one row at a time)
+        runs["transformers_lookup"] = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                          min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                                          prompt_lookup_num_tokens=max(lookups))
     results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
     ar = results["ar"].sequences
     verified = [f"verify@{spec}" for spec in args.verify]
     checks = {"verify_is_ar": all(torch.equal(results[v].sequences, ar) for v in verified),
-              "ar_is_transformers": torch.equal(results["transformers"], ar)}
+              "ar_is_transformers": all(torch.equal(results[t], ar) for t in ("transformers", "transformers_lookup")
+                                        if t in results)}
     times = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, run in runs.items():
@@ -220,20 +229,25 @@ def render(results: dict) -> str:
     lines += ["", f"Speed: generated tokens / s, R2LM at threshold {s['speed_threshold']}, AR = the same backbone "
               "without sidecars decoding one token per forward with the KV cache, transformers = its `generate` on "
               f"that backbone, verify@b = `verify=True` with drafts of b tokens, every outcome pre-drafted (b + 1 "
-              "windows), verify@b:w with w windows (`verify_windows`); here "
-              f"{lengths} (lossless: its output is AR's, checked). Ratios to AR; one interleaved run per batch size.",
+              "windows), verify@b:w with w windows (`verify_windows`), verify@b:lookup with drafts copied from the "
+              "row's own text (`verify_draft=\"lookup\"`, prompt lookup: no window); here "
+              f"{lengths} (lossless: its output is AR's, checked); transformers lookup = its `generate` with "
+              "`prompt_lookup_num_tokens` (the longest B:lookup; batch 1 only: assisted generation decodes one row). "
+              "Ratios to AR; one interleaved run per batch size.",
               "",
-              f"| model | stage | batch | R2LM / AR | verify@{lengths} / AR | AR / transformers | R2LM tokens/forward | "
-              f"verify@{lengths} tokens/forward | verify == AR |", "|---|---|---|---|---|---|---|---|---|"]
+              f"| model | stage | batch | R2LM / AR | verify@{lengths} / AR | AR / transformers | transformers lookup / AR"
+              f" | R2LM tokens/forward | verify@{lengths} tokens/forward | verify == AR |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, stages in results["models"].items():
         for stage, e in stages.items():
             for batch, v in e["speed"].items():
                 ratios = " / ".join(f"{v['vs_ar'][k]:.2f}" if k in v["vs_ar"] else "-" for k in specs)
                 per_forward = " / ".join(f"{v['verify_tokens_per_forward'][k]:.2f}"
                                          if k in v["verify_tokens_per_forward"] else "-" for k in specs)
+                theirs = v["vs_ar"].get("transformers_lookup")
                 lines.append(f"| {name} | {stage} | {batch} | {v['vs_ar']['r2lm']:.2f} | {ratios} | "
-                             f"{v['vs_transformers']['ar']:.2f} | {v['r2lm_tokens_per_forward']:.2f} | "
-                             f"{per_forward} | {v['verify_is_ar']} |")
+                             f"{v['vs_transformers']['ar']:.2f} | {'-' if theirs is None else f'{theirs:.2f}'} | "
+                             f"{v['r2lm_tokens_per_forward']:.2f} | {per_forward} | {v['verify_is_ar']} |")
     lines += ["", "![parallel decoding](results/parallel.png)"]
     return "\n".join(lines)
 
@@ -298,10 +312,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "8:3", "12:2"], metavar="B[:W]",
-                        type=verify_spec,
+    parser.add_argument("--verify", nargs="+", default=["4", "8", "8:2", "8:3", "12:2", "4:lookup", "8:lookup"],
+                        metavar="B[:W|:lookup]", type=verify_spec,
                         help="verify=True's draft lengths B, each with W drafting windows (default B + 1: every "
-                             "outcome); a verification forward reads B * (W + 1) columns")
+                             "outcome; a verification forward reads B * (W + 1) columns) or drafted by prompt "
+                             "lookup (B columns)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nll-seq-len", type=int, default=256)

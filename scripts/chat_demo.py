@@ -1,10 +1,12 @@
-"""Chat with an R2LM converted from a transformers model, three ways, against that original model:
+"""Chat with an R2LM converted from a transformers model, four ways, against that original model:
 
     python scripts/chat_demo.py R2LM_CHECKPOINT --reference SRC [--gguf-file FILE] [--prompt TEXT ...]
 
 - cached parallel decoding (threshold rule): the text, tokens accepted per denoising step;
 - verified decoding (verify=True): the window drafts, the causal pass verifies; for a frozen-backbone R2LM the text
   is the original model's own greedy text, token for token (checked against the reference's `generate`);
+- the same with prompt-lookup drafts (verify_draft="lookup"): copies of the prompt and the answer so far, verified
+  by forwards of the draft's columns alone (checked the same way);
 - AR decoding of the same backbone (block size 1 without sidecars), the speed both are compared with.
 
 The prompts go through the tokenizer's chat template as one left-padded batch. Prints each answer and a table of
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's")
     parser.add_argument("--verify-block-size", type=int, default=4,
                         help="verify=True's draft length (a verification forward reads b * (b + 2) columns)")
+    parser.add_argument("--lookup-block-size", type=int, default=8,
+                        help="the draft length of verify_draft='lookup' (a verification forward reads b columns)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,6 +72,8 @@ def main(argv=None) -> int:
         parallel, t_parallel = timed(lambda: generate(model, ids, mask, block_size=block, threshold=args.threshold, **options))
         verified, t_verify = timed(lambda: generate(model, ids, mask, block_size=args.verify_block_size, verify=True,
                                                     **options))
+        looked_up, t_lookup = timed(lambda: generate(model, ids, mask, block_size=args.lookup_block_size, verify=True,
+                                                     verify_draft="lookup", **options))
         ar, t_ar = timed(lambda: generate(plain, ids, mask, block_size=1, **options))
         own = reference.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
@@ -79,13 +85,16 @@ def main(argv=None) -> int:
         print(f"\n>>> {chat[0]['content']}")
         print(f"[cached parallel, threshold {args.threshold}] {answer(parallel.sequences, row)}")
         print(f"[verify=True] {answer(verified.sequences, row)}")
-    width = max(own.shape[1], verified.sequences.shape[1])  # either may stop early, once every row has ended
-    identical = torch.equal(*(torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in (verified.sequences, own)))
-    print(f"\nverify=True output identical to the original model's own greedy generate: {identical}")
-    print(f"\n{'decoding':<18}{'tokens/s':>10}{'tokens/forward':>16}{'tokens/step':>13}{'vs AR':>8}")
+    def same(a, b):  # either may stop early, once every row has ended
+        width = max(a.shape[1], b.shape[1])
+        return torch.equal(*(torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in (a, b)))
+
+    identical = same(verified.sequences, own) and same(looked_up.sequences, own)
+    print(f"\nverify=True output (both drafts) identical to the original model's own greedy generate: {identical}")
+    print(f"\n{'decoding':<22}{'tokens/s':>10}{'tokens/forward':>16}{'tokens/step':>13}{'vs AR':>8}")
     for name, out, seconds in (("cached parallel", parallel, t_parallel), ("verify=True", verified, t_verify),
-                               ("AR (backbone)", ar, t_ar)):
-        print(f"{name:<18}{out.new_tokens / seconds:>10.1f}{out.tokens_per_forward:>16.2f}{out.tokens_per_step:>13.2f}"
+                               ("verify=True, lookup", looked_up, t_lookup), ("AR (backbone)", ar, t_ar)):
+        print(f"{name:<22}{out.new_tokens / seconds:>10.1f}{out.tokens_per_forward:>16.2f}{out.tokens_per_step:>13.2f}"
               f"{(out.new_tokens / seconds) / (ar.new_tokens / t_ar):>8.2f}")
     return 0 if identical else 1
 

@@ -6,8 +6,8 @@
 #      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
-#   4. chat prompts answered with cached parallel decoding and with verify=True (lossless: SmolLM2's own text,
-#      checked), tokens per step and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
+#   4. chat prompts answered with cached parallel decoding and with verify=True, window and prompt-lookup drafts
+#      (lossless: SmolLM2's own text, checked), tokens per step and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
 #
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
 #   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)

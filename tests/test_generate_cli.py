@@ -78,6 +78,10 @@ OPTIONS = [
     (["--factor", "1.5", "--no-cache"], dict(factor=1.5, use_cache=False)),
     (["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--stop", "the", "--stop", "fox"],
      dict(temperature=0.8, top_k=5, top_p=0.9, stop_strings=["the", "fox"])),
+    (["--verify", "--block-size", "3", "--temperature", "0"], dict(verify=True, block_size=3, temperature=0.0)),
+    (["--verify", "--verify-draft", "lookup", "--temperature", "0"],
+     dict(verify=True, verify_draft="lookup", temperature=0.0)),
+    (["--verify", "--verify-windows", "2", "--temperature", "0"], dict(verify=True, verify_windows=2, temperature=0.0)),
 ]
 
 
@@ -119,6 +123,8 @@ def test_chat_applies_the_tokenizers_template(checkpoint, tmp_path, capsys):
 def test_bad_input_is_named(checkpoint, tmp_path, capsys):
     code, out, err = run([checkpoint, "--prompt", "x", "--threshold", "1.5"], capsys)
     assert code == 2 and "threshold must be in (0, 1], got 1.5" in err and out == ""
+    code, out, err = run([checkpoint, "--prompt", "x", "--verify-draft", "lookup"], capsys)
+    assert code == 2 and "verify_draft sets how verify=True drafts; pass verify=True" in err and out == ""
     with pytest.raises(SystemExit) as exit_:
         main([str(checkpoint), "--prompt", "x", "--threshold", "0.5", "--steps", "4"])
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
@@ -160,5 +166,5 @@ def test_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--prompt", "--chat", "--block-size", "--threshold", "--factor", "--steps", "--confidence",
                    "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
-                   "--compile", "generation_config.json"):
+                   "--compile", "--verify", "--verify-draft", "--verify-windows", "generation_config.json"):
         assert option in result.stdout, option

@@ -8,7 +8,7 @@ from test_train_helpers import run_cli
 pytestmark = pytest.mark.slow  # it launches a training run through the deepspeed launcher
 
 ROWS = ["kernel ssd", "kernel conv1d", "flex dual stream L=64", "flex padded prompt grid L=64", "hybrid chunked",
-        "train fp32", "decode batch 1", "decode batch 2"]
+        "train fp32", "decode batch 1", "decode batch 2", "verify == AR (fp32)"]
 
 
 def test_dry_run_prints_a_table_of_passing_checks(tmp_path):

@@ -18,16 +18,19 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     common = ["--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8", "--block-size", "4",
               "--batch-sizes", "1", "2", "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2",
               "--threads", "1", "--out", str(tmp_path / "out"), "--results-md", str(results_md)]
-    parallel_bench.main(["--model", f"tiny={before},{after}", "--new-tokens", "8", "--verify", "2", "3:2", *common])
+    parallel_bench.main(["--model", f"tiny={before},{after}", "--new-tokens", "8", "--verify", "2", "3:2", "3:lookup",
+                         *common])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())
     speed = data["models"]["tiny"]["after"]["speed"]
     assert set(speed) == {"1", "2"}
     for v in speed.values():
         assert v["verify_is_ar"] is True and v["ar_is_transformers"] is True
-        assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3:2"}
+        assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3:2", "verify@3:lookup"}
+    # transformers' own prompt lookup beside ours, where it runs (one row); its output checked against AR too
+    assert "transformers_lookup" in speed["1"]["vs_ar"] and "transformers_lookup" not in speed["2"]["vs_ar"]
     assert (tmp_path / "out" / "parallel.png").stat().st_size > 10_000
     text = results_md.read_text()
-    assert text.startswith("# Results\n\nkept\n") and "verify@2, 3:2 / AR" in text and text.count(parallel_bench.BEGIN) == 1
+    assert text.startswith("# Results\n\nkept\n") and "verify@2, 3:2, 3:lookup / AR" in text and text.count(parallel_bench.BEGIN) == 1
 
     # --update measures one model again and keeps the others as they were, under the same settings only
     kept = data["models"]["tiny"]
@@ -37,5 +40,7 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
                          *common])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())
     assert list(data["models"]) == ["tiny", "again"] and data["models"]["tiny"] == kept
-    assert data["measured"]["tiny"]["verify"] == ["2", "3:2"] and data["measured"]["again"]["verify"] == ["3"]
-    assert "verify@2, 3:2, 3 / AR" in results_md.read_text()
+    assert data["measured"]["tiny"]["verify"] == ["2", "3:2", "3:lookup"] and data["measured"]["again"]["verify"] == ["3"]
+    assert "verify@2, 3:2, 3:lookup, 3 / AR" in results_md.read_text()
+    with pytest.raises(SystemExit):  # a --verify entry that is not B, B:W or B:lookup: argparse's usage error
+        parallel_bench.main(["--model", f"tiny={before},{after}", "--verify", "3:ngram", *common])

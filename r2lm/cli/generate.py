@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from r2lm.generation.options import VERIFY_DRAFTS
 from r2lm.generation.sampling import CONFIDENCES
 
 
@@ -45,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument("--stop", action="append", metavar="TEXT", help="stop a prompt's output at TEXT; repeatable")
     decoding.add_argument("--no-cache", action="store_true", help="recompute everything every step (the exactness oracle)")
     decoding.add_argument("--compile", action="store_true", help="torch.compile the cached decode step")
+    verify = parser.add_argument_group("lossless verified decoding (the output is the model's own greedy AR text)")
+    verify.add_argument("--verify", action="store_true",
+                        help="draft --block-size tokens at a time, verify them with the causal pass (greedy only)")
+    verify.add_argument("--verify-draft", choices=VERIFY_DRAFTS,
+                        help="what drafts: the diffusion window (default) or prompt lookup (copies of the prompt and "
+                             "the text so far, no drafting window: suits text that repeats itself)")
+    verify.add_argument("--verify-windows", type=int, metavar="W",
+                        help="window drafts: pre-draft W of the block_size + 1 ways a verification can end")
     return parser
 
 
@@ -88,7 +97,8 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
     given = {
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "threshold": args.threshold,
         "factor": args.factor, "steps": args.steps, "confidence": args.confidence, "temperature": args.temperature,
-        "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop,
+        "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop, "verify_draft": args.verify_draft,
+        "verify_windows": args.verify_windows,
     }
     options = {key: value for key, value in given.items() if value is not None}
     if args.seed is not None:
@@ -97,6 +107,8 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
         options["use_cache"] = False
     if args.compile:
         options["compile"] = True
+    if args.verify:
+        options["verify"] = True
     return options
 
 

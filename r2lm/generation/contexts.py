@@ -89,26 +89,35 @@ class ExactCache:
         self.committed = clean and self.clean_commits
         own = window.shape[1] if self.committed else 0  # the window's own columns this read commits
         if self.head is not None:
-            return self._read_after_prompt(window, n, own)
+            return self._read_after_prompt(window, n, own, noisy=not own)
         pending = 0 if self.pending is None else self.pending.shape[1]
         ids = window if self.pending is None else torch.cat([self.pending, window], 1)
         self.pending = None
         return self.reader.read(ids, pending + own, keep=slice(pending, pending + n))
 
-    def _read_after_prompt(self, window, n, own):
+    def read_draft(self, draft, layout: Layout):
+        """Logits of clean columns `draft` [B, T] (verified decoding's draft, `layout` its template: clean columns
+        only), read after the committed text with their keys and values written but not committed: the caller
+        advances the cache by the columns it accepts. The first read appends the prompt's head with them."""
+        if self.head is not None:
+            return self._read_after_prompt(draft, draft.shape[1], 0, noisy=False, layout=layout)
+        return self.reader.read(draft, draft.shape[1], keep=slice(None), advance=False, layout=layout)
+
+    def _read_after_prompt(self, window, n, own, noisy: bool, layout: Layout | None = None):
         """The first read: the prompt's head, appended to the cache, and the first window, in one forward (so a
         generation takes no forward of its own for the prefill). A one-off shape (per-row padding), so the model's
-        own forward rather than the reader's kept masks."""
+        own forward rather than the reader's kept masks. `layout`: the next reads' template, when not the usual one."""
         (head, mask), self.head = self.head, None
         cache, reader = self.reader.cache, self.reader
         prompt = self.model.prompt_layout(mask, start=cache.next_position)
-        after = Layout.span(torch.ones_like(window), start=cache.next_position + mask.sum(1), noisy=not own, chunk=1)
+        after = Layout.span(torch.ones_like(window), start=cache.next_position + mask.sum(1), noisy=noisy, chunk=1)
         plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=head.shape[1] + own)
         first = head.shape[1]
         reader.forwards += 1
         logits = self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
                             logits_to_keep=slice(first, first + n)).logits
-        reader.prepare(window.shape[1], own)  # the next read's shape (same window, same commit), outside the steps
+        # the next read's shape (same window, same commit), outside the steps
+        reader.prepare(window.shape[1], window.shape[1] if layout is not None else own, layout)
         return logits
 
     def commit(self, window):

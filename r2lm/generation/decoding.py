@@ -39,7 +39,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     step_callback (called with a StepInfo after every step); use_cache=True, compile=False (torch.compile the
     cached decode step), verify=False (lossless: the model's greedy AR output, drafted by the window and verified
     by the causal pass, r2lm.generation.verify; block_size is then the draft length) and verify_windows (drafting
-    windows per verification forward, 2 .. block_size + 1, default all), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
+    windows per verification forward, 2 .. block_size + 1, default all) or verify_draft="lookup" (drafts copied
+    from each row's own text, prompt lookup, with no drafting windows), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
     models only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an
     r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix).
     """

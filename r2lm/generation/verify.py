@@ -37,6 +37,12 @@ commit together. A row that has finished (EOS, a stop, max_new_tokens) leaves th
 (`WindowReader.keep_rows`; not under compile=True, where a new batch size would recompile), so a batch costs about
 its rows' own forwards rather than its slowest row's times the batch size.
 
+With `verify_draft="lookup"` the drafts are not the window's but prompt-lookup copies (r2lm.generation.lookup):
+what followed the latest earlier occurrence of the row's last tokens in its own text, [MASK] where there is none.
+A forward then reads the b clean columns alone (no window, no sidecar): about an AR step's cost, so text that
+repeats itself is decoded faster than AR whatever the drafter has learnt. The first verification forward appends
+the prompt (its draft is looked up in the prompt).
+
 The first draft is read by the forward that appends the prompt (`ExactCache`; a window-only forward after a
 prefix-cache hit). Greedy only (temperature 0); causal attention, `shift`, softmax layers (a block-hybrid
 layer folds its keys inside the forward, before the accepted length is known).
@@ -47,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from r2lm.generation.contexts import ExactCache
+from r2lm.generation.lookup import lookup_draft
 from r2lm.generation.outputs import GenerateOutput, StepInfo
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
@@ -98,13 +105,18 @@ def decode_verified(model, r) -> GenerateOutput:
     ids = r.input_ids
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
     check_verifiable(model.config, r)
-    out = ids.new_full((batch, n + 2 * b), r.pad_id)  # generated tokens per row (a row may overshoot n by < b)
+    lookup = r.verify_draft == "lookup"
+    # each row's text: the prompt (-1 at padding: never looked up), then its generated tokens, `out` (a row may
+    # overshoot n by < b)
+    text = ids.new_full((batch, prompt_len + n + 2 * b), r.pad_id)
+    text[:, :prompt_len] = ids.masked_fill(r.attention_mask == 0, -1)
+    out = text[:, prompt_len:]
     stopper = Stopper(r, batch, ids.device)
     stopper.stream(ids)
     reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
-    outcomes = drafted_outcomes(b, r.verify_windows)
+    outcomes = [] if lookup else drafted_outcomes(b, r.verify_windows)
     layout = verify_layout(b, outcomes, ids.device)
-    openers = torch.tensor(outcomes, device=ids.device)
+    openers = torch.tensor(outcomes, dtype=torch.long, device=ids.device)
     windows = ids.new_full((batch, len(outcomes), b), r.mask_id)  # window j: [t_j, [MASK] * (b - 1)]
     growth = min(n * b, batch * (n + b))  # cache columns the loop may keep (module docstring)
     context = ExactCache(model, r, extra_room=growth - n + layout.length)
@@ -120,15 +132,22 @@ def decode_verified(model, r) -> GenerateOutput:
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
-        draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
-                                    r.mask_id)
+        if lookup:  # drafted from the prompt; the first verification forward appends it
+            draft = lookup_draft(text, prompt_len + written, b, r.mask_id)
+            confidence = (draft != r.mask_id).float()
+        else:
+            draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
+                                        r.mask_id)
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
         while True:
             t = torch.cat([opener, draft], 1)
-            windows[:, :, 0] = t[:, openers]
-            h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
-                            layout=layout, head=False)
-            logits = head(h[:, :b])
+            if lookup:
+                logits = context.read_draft(t[:, :b], layout)
+            else:
+                windows[:, :, 0] = t[:, openers]
+                h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
+                                layout=layout, head=False)
+                logits = head(h[:, :b])
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
             agrees = (draft == ar).long().cumprod(1)
             agreed = agrees.sum(1)  # each row's accepted draft length k
@@ -139,17 +158,18 @@ def decode_verified(model, r) -> GenerateOutput:
                 seen = ((torch.ones_like(draft, dtype=torch.bool), 0), (draft, r.mask_id), (confidence, 0),
                         (agrees.bool(), 0), (logits, 0))  # (masked, proposals, confidence, accepted, logits)
                 r.step_callback(StepInfo(iterations, written.clone(), *(spread(x, rows, batch, f) for x, f in seen)))
-            # The next draft: the proposals of the latest drafted window opened at or before the row's accepted
-            # length k, from the first uncommitted position on, [MASK] after them (module docstring).
-            source = (openers <= agreed[:, None]).sum(1) - 1
-            chosen = (b * (source + 1))[:, None] + cols
-            guess, guess_confidence = propose(head(h.gather(1, chosen[..., None].expand(-1, -1, h.shape[-1]))),
-                                              r.mask_id)
-            ahead = (length - openers[source])[:, None] + cols  # window column of each next draft position
-            inside = ahead < b  # (a row that is done has length 0: its draft is never read)
-            ahead = ahead.clamp(0, b - 1)
-            draft = torch.where(inside, guess.gather(1, ahead), r.mask_id)
-            confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
+            if not lookup:
+                # The next draft: the proposals of the latest drafted window opened at or before the row's accepted
+                # length k, from the first uncommitted position on, [MASK] after them (module docstring).
+                source = (openers <= agreed[:, None]).sum(1) - 1
+                chosen = (b * (source + 1))[:, None] + cols
+                guess, guess_confidence = propose(head(h.gather(1, chosen[..., None].expand(-1, -1, h.shape[-1]))),
+                                                  r.mask_id)
+                ahead = (length - openers[source])[:, None] + cols  # window column of each next draft position
+                inside = ahead < b  # (a row that is done has length 0: its draft is never read)
+                ahead = ahead.clamp(0, b - 1)
+                draft = torch.where(inside, guess.gather(1, ahead), r.mask_id)
+                confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
             kept = cols < length[:, None]
             # [MASK] after a row's commit (no EOS is read there), and for the rows that left
@@ -157,6 +177,9 @@ def decode_verified(model, r) -> GenerateOutput:
             stopper.check_eos(block, written)
             out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
             written.index_add_(0, rows, length)
+            if lookup:  # the next draft, from each row's text as committed now
+                draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
+                confidence = (draft != r.mask_id).float()
             iterations += 1
             done = stopper.finished | (written >= n)
             # the one host sync of an iteration
