@@ -5,7 +5,7 @@ gates open; and several tokens per forward once the drafter is good."""
 import pytest
 import torch
 from conftest import MASK_ID, tiny_hf_config, tiny_r2lm, tiny_tokenizer
-from transformers import AutoModelForCausalLM, TextStreamer
+from transformers import AutoModelForCausalLM, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.from_hf import convert_from_hf
@@ -293,3 +293,30 @@ def test_an_iteration_synchronises_with_the_host_once(options):
         counted.append((counter.syncs, out.steps))
     (short, short_steps), (long, long_steps) = counted
     assert long_steps > short_steps and long == short, counted
+
+
+class LastTokenIs(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("options", [{}, LOOKUP])
+def test_a_stop_inside_an_accepted_draft_is_ars(cycle_drafter, options):
+    """A row that stops inside the tokens one verification commits (its EOS, or a stopping criterion that AR decoding
+    checks after every token) stops where AR stops, and the output is as wide as AR's."""
+    prompt = torch.stack([PATTERN[(torch.arange(14) + s) % 12] for s in (3, 7)])  # whole drafts accepted
+    reference = without_sidecars(cycle_drafter)
+    free = generate(reference, prompt, max_new_tokens=12, block_size=1, eos_token_id=[]).sequences[:, 14:]
+    assert len(set(free[0, :3].tolist())) == 3  # (the cycle: no token repeats within it)
+    cases = [dict(eos_token_id=int(free[0, 1])),
+             dict(eos_token_id=[], stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length=14 + 3)])),
+             dict(eos_token_id=[], stopping_criteria=StoppingCriteriaList([LastTokenIs(int(free[0, 1]))]))]
+    for case in cases:
+        ar = generate(reference, prompt, max_new_tokens=12, block_size=1, pad_token_id=0, **case)
+        out = generate(cycle_drafter, prompt, max_new_tokens=12, block_size=4, verify=True, pad_token_id=0,
+                       **options, **case)
+        assert torch.equal(out.sequences, ar.sequences), case
+        assert out.new_tokens == ar.new_tokens

@@ -35,7 +35,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     model's generation_config.json): max_new_tokens=128, block_size (the model's), one unmasking rule:
     threshold=0.9 | factor | steps (LLaDA's total steps); confidence ("max_prob", "margin", "entropy");
     temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id, pad_token_id, stop_strings +
-    tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each block), streamer,
+    tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each block; verify=True: after every
+    token), streamer,
     step_callback (called with a StepInfo after every step); use_cache=True, compile=False (torch.compile the
     cached decode step), verify=False (lossless: the model's greedy AR output, drafted by the window and verified
     by the causal pass, r2lm.generation.verify; block_size is then the draft length) and verify_windows (drafting

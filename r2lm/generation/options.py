@@ -20,8 +20,8 @@ from r2lm.generation.sampling import CONFIDENCES
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_THRESHOLD = 0.9
-RULES = ("threshold", "factor", "steps")
-VERIFY_DRAFTS = ("window", "lookup")  # what drafts under verify=True (r2lm.generation.verify)  # unmasking rules: exactly one applies
+RULES = ("threshold", "factor", "steps")  # unmasking rules: exactly one applies
+VERIFY_DRAFTS = ("window", "lookup")  # what drafts under verify=True (r2lm.generation.verify)
 # generation_config.json keys that are ours (transformers keeps unknown keys as attributes and saves them)
 DECODING_KEYS = ("block_size", *RULES, "confidence")
 # transformers' own keys that mean the same here

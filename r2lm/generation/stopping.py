@@ -9,13 +9,16 @@ import torch
 class Stopper:
     """Per-row stopping. `stop_at[row]` is the number of generated tokens the row keeps (-1 while running)."""
 
-    def __init__(self, r, batch: int, device):
+    def __init__(self, r, batch: int, device, every_token: bool = False):
         self.eos = torch.tensor(r.eos_ids, dtype=torch.long, device=device)
         self.pad_id, self.mask_id = r.pad_id, r.mask_id
         self.stop_strings, self.tokenizer, self.streamer = r.stop_strings, r.tokenizer, r.streamer
         self.criteria = r.stopping_criteria
         self.stop_at = torch.full((batch,), -1, dtype=torch.long, device=device)
         self.checked = 0  # generated tokens [0, checked) of every row have been searched for stop strings
+        # stopping criteria: called on every token's text (as AR decoding calls them: verified decoding, whose
+        # output is AR's) rather than once per block; `judged` tokens have been
+        self.every_token, self.judged = every_token, 0
 
     @property
     def finished(self) -> torch.Tensor:
@@ -52,10 +55,14 @@ class Stopper:
                              if any(s in self.tokenizer.decode(tokens[:k]) for s in self.stop_strings))
                     self.stop_at[row] = k
             self.checked = end
-        for criterion in self.criteria:
-            done = criterion(self.trim(sequences[:, : prompt_len + end], prompt_len), None)
-            done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)
-            self.stop_at = torch.where(done & ~self.finished, end, self.stop_at)
+        for length in range(self.judged + 1, end + 1) if self.every_token and self.criteria else [end]:
+            for criterion in self.criteria:
+                done = criterion(self.trim(sequences[:, : prompt_len + length], prompt_len), None)
+                done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)
+                # a row whose EOS (or stop string) comes after `length` was still decoding there
+                running = ~self.finished | (self.stop_at > length)
+                self.stop_at = torch.where(done & running, length, self.stop_at)
+        self.judged = end
         return True
 
     def trim(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:

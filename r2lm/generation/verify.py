@@ -111,7 +111,7 @@ def decode_verified(model, r) -> GenerateOutput:
     text = ids.new_full((batch, prompt_len + n + 2 * b), r.pad_id)
     text[:, :prompt_len] = ids.masked_fill(r.attention_mask == 0, -1)
     out = text[:, prompt_len:]
-    stopper = Stopper(r, batch, ids.device)
+    stopper = Stopper(r, batch, ids.device, every_token=True)
     stopper.stream(ids)
     reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
     outcomes = [] if lookup else drafted_outcomes(b, r.verify_windows)
@@ -201,7 +201,9 @@ def decode_verified(model, r) -> GenerateOutput:
     finally:
         context.close()
     stopper.end()
-    end = min(n, int(written.max()))
+    # as wide as the row that kept most: a row's accepted draft may run past its stop (EOS, a stop string) or
+    # ahead of the rows the stop strings waited for
+    end = min(n, int(torch.where(stopper.finished, stopper.stop_at, written).max()))
     sequences = stopper.trim(torch.cat([ids, out[:, :end]], 1), prompt_len)
     return GenerateOutput(sequences=sequences, nfe=reader.forwards, steps=iterations, new_tokens=stopper.count(end),
                           row_steps=int(row_steps))

@@ -54,5 +54,5 @@ class ReverseSidecar(nn.Module):
         u = h[:, columns].reshape(batch * windows.shape[0], windows.shape[1], dim)
         # padding adds an exact zero (to column 0) rather than being selected out: no boolean indexing, so no host
         # synchronisation (verified decoding reads several windows per forward)
-        r = self.scan(u).view(batch, *windows.shape, dim) * (windows >= 0)[..., None].to(h.dtype)
+        r = torch.where((windows >= 0)[..., None], self.scan(u).view(batch, *windows.shape, dim), 0.0)
         return h.index_add(1, columns.flatten(), (gate * r).flatten(1, 2))
