@@ -288,7 +288,7 @@ def plot(results: dict, path: Path) -> None:
     batches = results["settings"]["batch_sizes"]
     width = 0.8 / (2 * len(batches))
     for j, b in enumerate(batches):
-        for k, (values, what) in enumerate(((ratio, "threshold"), (verified, "verify, best b[:w]"))):
+        for k, (values, what) in enumerate(((ratio, "threshold"), (verified, "verify, best of b[:w] and b:lookup"))):
             offset = (2 * j + k - (2 * len(batches) - 1) / 2) * width
             right.bar([i + offset for i in x], [r[j] for r in values], width, label=f"{what}, batch {b}",
                       hatch="//" if k else None)
