@@ -16,8 +16,8 @@ class Stopper:
         self.criteria = r.stopping_criteria
         self.stop_at = torch.full((batch,), -1, dtype=torch.long, device=device)
         self.checked = 0  # generated tokens [0, checked) of every row have been searched for stop strings
-        # stopping criteria: called on every token's text (as AR decoding calls them: verified decoding, whose
-        # output is AR's) rather than once per block; `judged` tokens have been
+        # stopping criteria are called on the text after every token with `every_token` (verified decoding, whose
+        # output is AR's: AR decoding calls them so), else once per block; tokens [0, judged) have been judged
         self.every_token, self.judged = every_token, 0
 
     @property
