@@ -223,6 +223,10 @@ def test_compiled_step_equals_eager():
     eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True)  # its own forward shapes
     compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, compile=True)
     assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
+    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, verify_draft="lookup")
+    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, verify_draft="lookup",
+                        compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
 
 
 # ---------------------------------------------------------------------------------------------- the forward
