@@ -89,7 +89,9 @@ class ExactCache:
         self.committed = clean and self.clean_commits
         own = window.shape[1] if self.committed else 0  # the window's own columns this read commits
         if self.head is not None:
-            return self._read_after_prompt(window, n, own, noisy=not own)
+            logits = self._read_after_prompt(window, n, own, noisy=not own)
+            self.reader.prepare(window.shape[1], own)  # the next reads' shape (same window and commit)
+            return logits
         pending = 0 if self.pending is None else self.pending.shape[1]
         ids = window if self.pending is None else torch.cat([self.pending, window], 1)
         self.pending = None
@@ -100,13 +102,15 @@ class ExactCache:
         only), read after the committed text with their keys and values written but not committed: the caller
         advances the cache by the columns it accepts. The first read appends the prompt's head with them."""
         if self.head is not None:
-            return self._read_after_prompt(draft, draft.shape[1], 0, noisy=False, layout=layout)
+            logits = self._read_after_prompt(draft, draft.shape[1], 0, noisy=False)
+            self.reader.prepare(draft.shape[1], draft.shape[1], layout)  # the next drafts' shape
+            return logits
         return self.reader.read(draft, draft.shape[1], keep=slice(None), advance=False, layout=layout)
 
-    def _read_after_prompt(self, window, n, own, noisy: bool, layout: Layout | None = None):
+    def _read_after_prompt(self, window, n, own, noisy: bool):
         """The first read: the prompt's head, appended to the cache, and the first window, in one forward (so a
         generation takes no forward of its own for the prefill). A one-off shape (per-row padding), so the model's
-        own forward rather than the reader's kept masks. `layout`: the next reads' template, when not the usual one."""
+        own forward rather than the reader's kept masks; the caller builds the next reads' shape (outside the steps)."""
         (head, mask), self.head = self.head, None
         cache, reader = self.reader.cache, self.reader
         prompt = self.model.prompt_layout(mask, start=cache.next_position)
@@ -114,11 +118,8 @@ class ExactCache:
         plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=head.shape[1] + own)
         first = head.shape[1]
         reader.forwards += 1
-        logits = self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
-                            logits_to_keep=slice(first, first + n)).logits
-        # the next read's shape (same window, same commit), outside the steps
-        reader.prepare(window.shape[1], window.shape[1] if layout is not None else own, layout)
-        return logits
+        return self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
+                          logits_to_keep=slice(first, first + n)).logits
 
     def commit(self, window):
         if not self.committed:

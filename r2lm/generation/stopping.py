@@ -55,7 +55,7 @@ class Stopper:
                              if any(s in self.tokenizer.decode(tokens[:k]) for s in self.stop_strings))
                     self.stop_at[row] = k
             self.checked = end
-        for length in range(self.judged + 1, end + 1) if self.every_token and self.criteria else [end]:
+        for length in range(self.judged + 1, end + 1) if self.every_token else [end]:
             for criterion in self.criteria:
                 done = criterion(self.trim(sequences[:, : prompt_len + length], prompt_len), None)
                 done = torch.as_tensor(done, device=self.stop_at.device).expand(self.stop_at.shape)

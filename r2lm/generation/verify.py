@@ -132,18 +132,17 @@ def decode_verified(model, r) -> GenerateOutput:
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
     try:
-        if lookup:  # drafted from the prompt; the first verification forward appends it
-            draft = lookup_draft(text, prompt_len + written, b, r.mask_id)
-            confidence = (draft != r.mask_id).float()
-        else:
+        if not lookup:  # the first draft, read with the prompt (a lookup draft is made in the loop)
             draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
                                         r.mask_id)
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
         while True:
-            t = torch.cat([opener, draft], 1)
-            if lookup:
-                logits = context.read_draft(t[:, :b], layout)
+            if lookup:  # from each row's text as committed so far (the first forward appends the prompt)
+                draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
+                confidence = (draft != r.mask_id).float()
+                logits = context.read_draft(torch.cat([opener, draft[:, : b - 1]], 1), layout)
             else:
+                t = torch.cat([opener, draft], 1)
                 windows[:, :, 0] = t[:, openers]
                 h = reader.read(torch.cat([t[:, :b], windows.flatten(1)], 1), b, keep=slice(None), advance=False,
                                 layout=layout, head=False)
@@ -177,9 +176,6 @@ def decode_verified(model, r) -> GenerateOutput:
             stopper.check_eos(block, written)
             out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
             written.index_add_(0, rows, length)
-            if lookup:  # the next draft, from each row's text as committed now
-                draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
-                confidence = (draft != r.mask_id).float()
             iterations += 1
             done = stopper.finished | (written >= n)
             # the one host sync of an iteration
