@@ -226,6 +226,32 @@ def test_lookup_drafts_commit_repeated_text_several_tokens_per_forward(cycle_dra
     assert widths == [prompt.shape[1] - 1 + 4] + [4] * (out.nfe - 1)
 
 
+def has_lookup_draft(text: list[int]) -> bool:
+    """Brute force: the text's last token occurs earlier with a token after it (so a 1- or 2-token suffix recurs)."""
+    return text[-1] in text[:-1]
+
+
+def test_a_lookup_forward_without_drafts_is_one_column():
+    """Where no row still decoding has a lookup draft, the verification forward is an AR step (one clean column,
+    not b columns that cannot be accepted); where one has, b columns. Output: AR's."""
+    model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3])
+    ids = torch.stack([torch.randperm(MASK_ID - 1, generator=torch.Generator().manual_seed(s))[:8] for s in (0, 1)])
+    ar = generate(without_sidecars(model), ids, max_new_tokens=24, block_size=1, eos_token_id=[])
+    widths, starts = [], []
+    hook = model.model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    try:
+        out = generate(model, ids, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP,
+                       step_callback=lambda info: starts.append(info.start.tolist()))
+    finally:
+        hook.remove()
+    assert torch.equal(out.sequences, ar.sequences)
+    text = ar.sequences.tolist()
+    expected = [4 if any(has_lookup_draft(row[: 8 + at]) for row, at in zip(text, at_rows, strict=True) if at < 24)
+                else 1 for at_rows in starts]
+    assert widths[0] == 7 + expected[0] and widths[1:] == expected[1:]
+    assert {1, 4} <= set(expected), expected  # both kinds of forward were seen
+
+
 @pytest.mark.parametrize("options", [{}, LOOKUP])
 def test_only_committed_tokens_are_valid_in_the_cache(cycle_drafter, monkeypatch, options):
     """After verify=True the cache's valid columns of a row hold, in order, exactly the keys and values a prefill

@@ -99,12 +99,11 @@ class ExactCache:
 
     def read_draft(self, draft, layout: Layout):
         """Logits of clean columns `draft` [B, T] (verified decoding's draft, `layout` its template: clean columns
-        only), read after the committed text with their keys and values written but not committed: the caller
-        advances the cache by the columns it accepts. The first read appends the prompt's head with them."""
+        only, prepared by the caller), read after the committed text with their keys and values written but not
+        committed: the caller advances the cache by the columns it accepts. The first read appends the prompt's head
+        with them."""
         if self.head is not None:
-            logits = self._read_after_prompt(draft, draft.shape[1], 0, noisy=False)
-            self.reader.prepare(draft.shape[1], draft.shape[1], layout)  # the next drafts' shape
-            return logits
+            return self._read_after_prompt(draft, draft.shape[1], 0, noisy=False)
         return self.reader.read(draft, draft.shape[1], keep=slice(None), advance=False, layout=layout)
 
     def _read_after_prompt(self, window, n, own, noisy: bool):

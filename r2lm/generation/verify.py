@@ -40,8 +40,10 @@ its rows' own forwards rather than its slowest row's times the batch size.
 With `verify_draft="lookup"` the drafts are not the window's but prompt-lookup copies (r2lm.generation.lookup):
 what followed the latest earlier occurrence of the row's last tokens in its own text, [MASK] where there is none.
 A forward then reads the b clean columns alone (no window, no sidecar): about an AR step's cost, so text that
-repeats itself is decoded faster than AR whatever the drafter has learnt. The first verification forward appends
-the prompt (its draft is looked up in the prompt).
+repeats itself is decoded faster than AR whatever the drafter has learnt. Where no row has a draft the forward is
+one column, an AR step: on a CPU b columns cost about 1.5 of it, paid for nothing where nothing can be accepted
+(two forward shapes, decided with the iteration's one host sync). The first verification forward appends the prompt
+(its draft is looked up in the prompt).
 
 The first draft is read by the forward that appends the prompt (`ExactCache`; a window-only forward after a
 prefix-cache hit). Greedy only (temperature 0); causal attention, `shift`, softmax layers (a block-hybrid
@@ -116,11 +118,14 @@ def decode_verified(model, r) -> GenerateOutput:
     reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
     outcomes = [] if lookup else drafted_outcomes(b, r.verify_windows)
     layout = verify_layout(b, outcomes, ids.device)
+    narrow = verify_layout(1, [], ids.device)  # lookup: a forward where no row has a draft (an AR step)
     openers = torch.tensor(outcomes, dtype=torch.long, device=ids.device)
     windows = ids.new_full((batch, len(outcomes), b), r.mask_id)  # window j: [t_j, [MASK] * (b - 1)]
     growth = min(n * b, batch * (n + b))  # cache columns the loop may keep (module docstring)
     context = ExactCache(model, r, extra_room=growth - n + layout.length)
     reader, head = context.reader, model.lm_head
+    for shape in (layout, narrow) if lookup else (layout,):  # the loop's forward shapes, built outside its steps
+        reader.prepare(shape.length, shape.length if lookup else b, shape)
     cols = torch.arange(b, device=ids.device)
     opener = ids[:, -1:]
     written = torch.zeros(batch, dtype=torch.long, device=ids.device)  # each row's committed tokens
@@ -131,16 +136,25 @@ def decode_verified(model, r) -> GenerateOutput:
     leave = not r.compile
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)
+
+    def looked_up():  # lookup drafts from each row's text as committed so far, and whether a decoding row has one
+        draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
+        return draft, (draft != r.mask_id).float(), ((draft != r.mask_id) & ~done[rows, None]).any()
+
     try:
-        if not lookup:  # the first draft, read with the prompt (a lookup draft is made in the loop)
+        done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
+        if lookup:  # the first draft is looked up in the prompt; the first verification appends the prompt
+            draft, confidence, drafted = looked_up()
+        else:  # the first draft, read with the prompt
             draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
                                         r.mask_id)
-        done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
+            drafted = torch.ones((), dtype=torch.bool)  # a window always drafts
+        width = b if drafted else 1  # the forward's clean columns, b or (no lookup draft anywhere) 1
         while True:
-            if lookup:  # from each row's text as committed so far (the first forward appends the prompt)
-                draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
-                confidence = (draft != r.mask_id).float()
-                logits = context.read_draft(torch.cat([opener, draft[:, : b - 1]], 1), layout)
+            span = cols[:width]
+            if lookup:
+                draft, confidence = draft[:, :width], confidence[:, :width]
+                logits = context.read_draft(torch.cat([opener, draft[:, : width - 1]], 1), layout if width == b else narrow)
             else:
                 t = torch.cat([opener, draft], 1)
                 windows[:, :, 0] = t[:, openers]
@@ -151,7 +165,7 @@ def decode_verified(model, r) -> GenerateOutput:
             agrees = (draft == ar).long().cumprod(1)
             agreed = agrees.sum(1)  # each row's accepted draft length k
             live = ~done[rows]
-            length = torch.where(live, (agreed + 1).clamp(max=b), 0)  # tokens each row commits: ar[:, :length]
+            length = torch.where(live, (agreed + 1).clamp(max=width), 0)  # tokens each row commits: ar[:, :length]
             row_steps += live.sum()
             if r.step_callback is not None:
                 seen = ((torch.ones_like(draft, dtype=torch.bool), 0), (draft, r.mask_id), (confidence, 0),
@@ -170,16 +184,18 @@ def decode_verified(model, r) -> GenerateOutput:
                 draft = torch.where(inside, guess.gather(1, ahead), r.mask_id)
                 confidence = torch.where(inside, guess_confidence.gather(1, ahead), 0.0)
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
-            kept = cols < length[:, None]
+            kept = span < length[:, None]
             # [MASK] after a row's commit (no EOS is read there), and for the rows that left
             block = spread(torch.where(kept, ar, r.mask_id), rows, batch, r.mask_id)
             stopper.check_eos(block, written)
-            out.scatter_(1, written[:, None] + cols, block)  # what follows a row's commit is overwritten next
+            out.scatter_(1, written[:, None] + span, block)  # what follows a row's commit is overwritten next
             written.index_add_(0, rows, length)
             iterations += 1
             done = stopper.finished | (written >= n)
+            if lookup:
+                draft, confidence, drafted = looked_up()
             # the one host sync of an iteration
-            widest, over, left = torch.stack([length.max(), done.all(), done[rows].any()]).tolist()
+            widest, over, left, any_draft = torch.stack([length.max(), done.all(), done[rows].any(), drafted]).tolist()
             reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, n, written.clamp(max=n)).min())
@@ -194,6 +210,7 @@ def decode_verified(model, r) -> GenerateOutput:
                 stay = ~done[rows]
                 rows, draft, confidence, opener, windows = (x[stay] for x in (rows, draft, confidence, opener, windows))
                 reader.keep_rows(stay)
+            width = b if any_draft else 1
     finally:
         context.close()
     stopper.end()
