@@ -34,6 +34,7 @@ from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
 from r2lm.layers.hybrid import HybridParts
+from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
 from r2lm.ops.flex import BlockSparse, block_sparse
 
@@ -195,7 +196,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
     def __init__(self, config: R2LMConfig):
         super().__init__(config)
         self.model = R2LMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         from r2lm.generation.options import decoding_generation_config
 

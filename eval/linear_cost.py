@@ -1,0 +1,111 @@
+"""What a decode step's matrix products cost on a CPU: `torch.nn.functional.linear` against r2lm.ops.linear
+(its CPU decode fast path), side by side in one run, for every row count a decode step multiplies by.
+
+    python -m eval.linear_cost [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2] [--out docs/results]
+
+The weights are those of one forward of an R2LM of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, 9/3
+heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench's SmolLM2 models), random,
+float32, all distinct tensors (about 540 MB), so they stream from memory as a real step's do rather than sit in a
+cache. For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
+every weight: the median over --repeats of passes interleaved between the two. Prints a table, writes
+linear_cost.json and linear_cost.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from r2lm import R2LMConfig, R2LMForDiffusionLM  # noqa: E402
+from r2lm.ops.linear import FEW_ROWS, linear  # noqa: E402
+
+logger = logging.getLogger("eval.linear_cost")
+
+SMOLLM2 = dict(vocab_size=49153, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, mask_token_id=49152, sidecar_layers=[24, 25, 26, 27, 28, 29])
+
+
+def step_weights(config: dict) -> list[torch.Tensor]:
+    """Every linear weight one forward multiplies by (the LM head's is the tied embedding's shape)."""
+    with torch.device("meta"):
+        model = R2LMForDiffusionLM(R2LMConfig(**config))
+    return [torch.randn(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@torch.no_grad()
+def time_products(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    kinds = {"F.linear": F.linear, "r2lm": linear}
+    times = {k: [] for k in kinds}
+    for _ in range(repeats + 1):  # the first pass warms up
+        for name, fn in kinds.items():
+            start = time.perf_counter()
+            for w in weights:
+                fn(inputs[w.shape[1]], w)
+            times[name].append(time.perf_counter() - start)
+    ms = {k: 1000 * statistics.median(v[1:]) for k, v in times.items()}
+    return {"ms": ms, "speedup": ms["F.linear"] / ms["r2lm"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [int(r) for r in results["rows"]]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for kind, style in (("F.linear", "o-"), ("r2lm", "s-")):
+        ax.plot(rows, [results["rows"][str(r)]["ms"][kind] for r in rows], style, label=kind)
+    ax.axvline(results["few_rows"], color="#999", linestyle=":", label="FEW_ROWS")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (tokens per forward x batch)")
+    ax.set_ylabel("ms per forward's products")
+    ax.set_title(f"SmolLM2-135M's weights, {results['threads']} CPU threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    args = parser.parse_args(argv)
+    if min(args.rows) < 1 or args.repeats < 1:
+        parser.error("--rows and --repeats must be positive")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    weights = step_weights(SMOLLM2)
+    logger.info("%d weights, %.0f MB", len(weights), sum(w.numel() for w in weights) * 4 / 1e6)
+    results = {"threads": args.threads, "repeats": args.repeats, "few_rows": FEW_ROWS, "rows": {}}
+    for rows in args.rows:
+        results["rows"][str(rows)] = time_products(weights, rows, args.repeats)
+        logger.info("%d rows: %s", rows, results["rows"][str(rows)])
+    print(f"\none forward's matrix products, SmolLM2-135M's weights, {args.threads} threads (r2lm's fast path up to "
+          f"{FEW_ROWS} rows)")
+    print(f"{'rows':>5}{'F.linear ms':>13}{'r2lm ms':>10}{'speedup':>9}")
+    for rows, cell in results["rows"].items():
+        print(f"{rows:>5}{cell['ms']['F.linear']:>13.1f}{cell['ms']['r2lm']:>10.1f}{cell['speedup']:>9.2f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "linear_cost.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out / "linear_cost.png")
+    logger.info("wrote %s and %s", args.out / "linear_cost.json", args.out / "linear_cost.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""r2lm.ops.linear: the CPU decode fast path computes F.linear's product (up to float rounding) and is taken only
+where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from r2lm.layers.linear import Linear
+from r2lm.ops.linear import FEW_ROWS, linear
+
+
+class MatrixProducts(TorchDispatchMode):
+    """The shapes of the first operand of every aten.mm / addmm / linear dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.firsts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in ("aten.mm", "aten.addmm", "aten.linear"):
+            self.firsts.append(tuple((args[1] if name == "aten.addmm" else args[0]).shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 5), (2, 8), (1, FEW_ROWS), (FEW_ROWS + 1,), (2, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 24, generator=g), torch.randn(*shape, 24, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    with torch.no_grad():
+        out = linear(x, weight, b)
+    assert out.shape == (*shape, 48) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def multiplied_by_the_weight(x, weight, grad: bool) -> bool:
+    """Whether the product was computed as weight @ x^T (the fast path) rather than x @ weight^T."""
+    counter = MatrixProducts()
+    with torch.set_grad_enabled(grad), counter:
+        linear(x, weight)
+    return counter.firsts[0] == tuple(weight.shape)
+
+
+def test_the_fast_path_is_taken_only_where_it_was_measured_faster():
+    weight = torch.randn(48, 24)
+    assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
+    assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
+    assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
+    assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
+    assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
+
+
+def test_the_layer_keeps_nn_linear_parameters_and_gradients():
+    torch.manual_seed(0)
+    layer, reference = Linear(24, 48), torch.nn.Linear(24, 48)
+    reference.load_state_dict(layer.state_dict())
+    assert isinstance(layer, torch.nn.Linear) and layer.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(1, 3, 24)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert torch.equal(layer.weight.grad, reference.weight.grad) and torch.equal(layer.bias.grad, reference.bias.grad)
