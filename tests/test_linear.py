@@ -1,5 +1,5 @@
 """r2lm.ops.linear: the CPU decode fast path computes F.linear's product (up to float rounding) and is taken only
-where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows."""
+where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows, weights over SMALL_WEIGHT."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm.layers.linear import Linear
-from r2lm.ops.linear import FEW_ROWS, linear
+from r2lm.ops.linear import FEW_ROWS, SMALL_WEIGHT, linear
 
 
 class MatrixProducts(TorchDispatchMode):
@@ -28,11 +28,11 @@ class MatrixProducts(TorchDispatchMode):
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_is_f_linear(shape, bias):
     g = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(48, 24, generator=g), torch.randn(*shape, 24, generator=g)
-    b = torch.randn(48, generator=g) if bias else None
+    weight, x = torch.randn(SMALL_WEIGHT // 24 + 1, 24, generator=g), torch.randn(*shape, 24, generator=g)
+    b = torch.randn(weight.shape[0], generator=g) if bias else None
     with torch.no_grad():
         out = linear(x, weight, b)
-    assert out.shape == (*shape, 48) and out.is_contiguous()
+    assert out.shape == (*shape, weight.shape[0]) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
@@ -45,12 +45,13 @@ def multiplied_by_the_weight(x, weight, grad: bool) -> bool:
 
 
 def test_the_fast_path_is_taken_only_where_it_was_measured_faster():
-    weight = torch.randn(48, 24)
+    weight = torch.randn(SMALL_WEIGHT // 24 + 1, 24)
     assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
     assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
     assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
     assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
     assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
+    assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight[: SMALL_WEIGHT // 24], grad=False)  # cached
 
 
 def test_the_layer_keeps_nn_linear_parameters_and_gradients():
