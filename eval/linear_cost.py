@@ -1,12 +1,14 @@
 """What a decode step's matrix products cost on a CPU: `torch.nn.functional.linear` against r2lm.ops.linear
 (its CPU decode fast path), side by side in one run, for every row count a decode step multiplies by.
 
-    python -m eval.linear_cost [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2] [--out docs/results]
+    python -m eval.linear_cost [--config CHECKPOINT] [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2]
+        [--out docs/results]
 
 The weights are those of one forward of an R2LM of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, 9/3
-heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench's SmolLM2 models), random,
-float32, all distinct tensors (about 540 MB), so they stream from memory as a real step's do rather than sit in a
-cache. For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
+heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench's SmolLM2 models), or of the
+R2LM checkpoint --config names: random, float32, all distinct tensors (about 590 MB for SmolLM2), so they stream
+from memory as a real step's do rather than sit in a cache (a model small enough to sit there keeps F.linear:
+r2lm.ops.linear.SMALL_WEIGHT). For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
 every weight: the median over --repeats of passes interleaved between the two. Prints a table, writes
 linear_cost.json and linear_cost.png to --out.
 """
@@ -36,10 +38,10 @@ SMOLLM2 = dict(vocab_size=49153, hidden_size=576, intermediate_size=1536, num_hi
                num_key_value_heads=3, head_dim=64, mask_token_id=49152, sidecar_layers=[24, 25, 26, 27, 28, 29])
 
 
-def step_weights(config: dict) -> list[torch.Tensor]:
+def step_weights(config: R2LMConfig) -> list[torch.Tensor]:
     """Every linear weight one forward multiplies by (the LM head's is the tied embedding's shape)."""
     with torch.device("meta"):
-        model = R2LMForDiffusionLM(R2LMConfig(**config))
+        model = R2LMForDiffusionLM(config)
     return [torch.randn(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
@@ -72,7 +74,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens per forward x batch)")
     ax.set_ylabel("ms per forward's products")
-    ax.set_title(f"SmolLM2-135M's weights, {results['threads']} CPU threads")
+    ax.set_title(f"{results['model']}'s weights, {results['threads']} CPU threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -80,6 +82,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, help="an R2LM checkpoint folder whose weight shapes to time "
+                        "(default: SmolLM2-135M's)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
@@ -89,13 +93,15 @@ def main(argv=None) -> dict:
         parser.error("--rows and --repeats must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    weights = step_weights(SMOLLM2)
+    config = R2LMConfig.from_pretrained(args.config) if args.config else R2LMConfig(**SMOLLM2)
+    model = str(args.config) if args.config else "SmolLM2-135M"
+    weights = step_weights(config)
     logger.info("%d weights, %.0f MB", len(weights), sum(w.numel() for w in weights) * 4 / 1e6)
-    results = {"threads": args.threads, "repeats": args.repeats, "few_rows": FEW_ROWS, "rows": {}}
+    results = {"model": model, "threads": args.threads, "repeats": args.repeats, "few_rows": FEW_ROWS, "rows": {}}
     for rows in args.rows:
         results["rows"][str(rows)] = time_products(weights, rows, args.repeats)
         logger.info("%d rows: %s", rows, results["rows"][str(rows)])
-    print(f"\none forward's matrix products, SmolLM2-135M's weights, {args.threads} threads (r2lm's fast path up to "
+    print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads (r2lm's fast path up to "
           f"{FEW_ROWS} rows)")
     print(f"{'rows':>5}{'F.linear ms':>13}{'r2lm ms':>10}{'speedup':>9}")
     for rows, cell in results["rows"].items():

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's")
     parser.add_argument("--verify-block-size", type=int, default=4,
                         help="verify=True's draft length (a verification forward reads b * (b + 2) columns)")
-    parser.add_argument("--lookup-block-size", type=int, default=8,
+    parser.add_argument("--lookup-block-size", type=int, default=4,
                         help="the draft length of verify_draft='lookup' (a verification forward reads b columns)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
