@@ -54,6 +54,15 @@ def test_the_fast_path_is_taken_only_where_it_was_measured_faster():
     assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight[: SMALL_WEIGHT // 24], grad=False)  # cached
 
 
+def test_autocast_and_other_dtypes_keep_f_linear():
+    weight, x = torch.randn(SMALL_WEIGHT // 24 + 1, 24), torch.randn(1, 3, 24)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for bias in (None, torch.randn(weight.shape[0])):
+            assert linear(x, weight, bias).dtype == F.linear(x, weight, bias).dtype == torch.bfloat16
+    with torch.no_grad(), pytest.raises(RuntimeError):  # F.linear's refusal of a bias of another dtype
+        linear(x, weight, torch.randn(weight.shape[0], dtype=torch.float64))
+
+
 def test_the_layer_keeps_nn_linear_parameters_and_gradients():
     torch.manual_seed(0)
     layer, reference = Linear(24, 48), torch.nn.Linear(24, 48)

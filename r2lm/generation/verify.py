@@ -148,7 +148,7 @@ def decode_verified(model, r) -> GenerateOutput:
         else:  # the first draft, read with the prompt
             draft, confidence = propose(context.read(0, torch.cat([opener, windows[:, 0, 1:]], 1), b, clean=False),
                                         r.mask_id)
-            drafted = torch.ones((), dtype=torch.bool)  # a window always drafts
+            drafted = torch.ones((), dtype=torch.bool, device=ids.device)  # a window always drafts
         width = b if drafted else 1  # the forward's clean columns, b or (no lookup draft anywhere) 1
         while True:
             span = cols[:width]

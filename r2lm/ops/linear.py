@@ -9,8 +9,8 @@ at 2-8 rows. The same product computed the other way round, (W @ x^T)^T, comes n
 20-25 ms for 1-4 rows, 30-45 ms for 5-8; from 12 rows on the two cost about the same. A single row is read as two
 (one row dispatches to gemv, the slow path).
 
-Only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched linear), float32 on
-CPU, at most FEW_ROWS rows and weights of more than SMALL_WEIGHT elements, where it was measured faster: a small
+Only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched linear) or autocast,
+float32 on CPU, at most FEW_ROWS rows and weights of more than SMALL_WEIGHT elements, where it was measured faster: a small
 weight stays in the cache (the README main job's 1M-parameter model: every weight), where F.linear's kernel is
 the faster one and the fast path's extra operations cost more than its product (3x at one row). The sums are the
 same products in another order: equal to `F.linear` up to float rounding, as any two sgemm blockings are.
@@ -26,8 +26,9 @@ SMALL_WEIGHT = 1 << 18  # 1 MiB of float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.device.type != "cpu"
+            or any(t.dtype != torch.float32 for t in (x, weight) + (() if bias is None else (bias,)))
             or not 0 < rows <= FEW_ROWS or weight.numel() <= SMALL_WEIGHT):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
