@@ -41,9 +41,10 @@ With `verify_draft="lookup"` the drafts are not the window's but prompt-lookup c
 what followed the latest earlier occurrence of the row's last tokens in its own text, [MASK] where there is none.
 A forward then reads the b clean columns alone (no window, no sidecar): about an AR step's cost, so text that
 repeats itself is decoded faster than AR whatever the drafter has learnt. Where no row has a draft the forward is
-one column, an AR step, rather than b columns of which only the first can be committed (on a CPU 8 columns cost
-about 1.7 AR steps, 4 about 1.15: eval/linear_cost); the width is decided with the iteration's one host sync (two
-forward shapes). The first verification forward appends the prompt (its draft is looked up in the prompt).
+one column, an AR step, rather than b columns of which only the first can be committed (on a CPU 8 rows'
+matrix products cost 2x one row's, 4 rows' 1.1x: eval/linear_cost); the width is decided with the iteration's one
+host sync (two forward shapes). The first verification forward appends the prompt (its draft is looked up in the
+prompt).
 
 The first draft is read by the forward that appends the prompt (`ExactCache`; a window-only forward after a
 prefix-cache hit). Greedy only (temperature 0); causal attention, `shift`, softmax layers (a block-hybrid
@@ -139,7 +140,8 @@ def decode_verified(model, r) -> GenerateOutput:
 
     def looked_up():  # lookup drafts from each row's text as committed so far, and whether a decoding row has one
         draft = lookup_draft(text[rows], prompt_len + written[rows], b, r.mask_id)
-        return draft, (draft != r.mask_id).float(), ((draft != r.mask_id) & ~done[rows, None]).any()
+        real = draft != r.mask_id
+        return draft, real.float(), (real & ~done[rows, None]).any()
 
     try:
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
