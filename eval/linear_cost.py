@@ -29,6 +29,7 @@ from torch.nn import functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from eval.machine import describe, label  # noqa: E402
 from r2lm import R2LMConfig, R2LMForDiffusionLM  # noqa: E402
 from r2lm.ops.linear import FEW_ROWS, linear  # noqa: E402
 
@@ -74,7 +75,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens per forward x batch)")
     ax.set_ylabel("ms per forward's products")
-    ax.set_title(f"{results['model']}'s weights, {results['threads']} CPU threads")
+    ax.set_title(f"{results['model']}'s weights, {results['threads']} threads of {label(results.get('machine'))}",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -97,12 +99,13 @@ def main(argv=None) -> dict:
     model = str(args.config) if args.config else "SmolLM2-135M"
     weights = step_weights(config)
     logger.info("%d weights, %.0f MB", len(weights), sum(w.numel() for w in weights) * 4 / 1e6)
-    results = {"model": model, "threads": args.threads, "repeats": args.repeats, "few_rows": FEW_ROWS, "rows": {}}
+    results = {"model": model, "machine": describe(), "threads": args.threads, "repeats": args.repeats,
+               "few_rows": FEW_ROWS, "rows": {}}
     for rows in args.rows:
         results["rows"][str(rows)] = time_products(weights, rows, args.repeats)
         logger.info("%d rows: %s", rows, results["rows"][str(rows)])
-    print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads (r2lm's fast path up to "
-          f"{FEW_ROWS} rows)")
+    print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads, {label(results['machine'])} "
+          f"(r2lm's fast path up to {FEW_ROWS} rows)")
     print(f"{'rows':>5}{'F.linear ms':>13}{'r2lm ms':>10}{'speedup':>9}")
     for rows, cell in results["rows"].items():
         print(f"{rows:>5}{cell['ms']['F.linear']:>13.1f}{cell['ms']['r2lm']:>10.1f}{cell['speedup']:>9.2f}")

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.likelihood import heldout_nll, pack_texts, read_texts  # noqa: E402
+from eval.machine import describe, label  # noqa: E402
 from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
 from r2lm.convert.to_hf import without_sidecars  # noqa: E402
 from r2lm.generation import ParallelismMeter  # noqa: E402
@@ -194,8 +195,9 @@ def measure(path: str, args, texts, reference=None) -> dict:
 def render(results: dict) -> str:
     """The "Parallel decoding" section of docs/results.md, from parallel.json."""
     s = results["settings"]
-    commit = results.get("commit", "?")
-    earlier = {name: run["commit"] for name, run in results.get("measured", {}).items() if run["commit"] != commit}
+    commit = f"{results.get('commit', '?')}, {label(results.get('machine'))}"
+    earlier = {name: f"{run['commit']}, {label(run.get('machine'))}" for name, run in results.get("measured", {}).items()
+               if run["commit"] != results.get("commit") or run.get("machine") != results.get("machine")}
     if earlier:
         commit += "; kept from earlier runs (`--update`): " + ", ".join(f"{n} at {c}" for n, c in earlier.items())
     lines = [
@@ -336,7 +338,7 @@ def main(argv=None) -> dict:
     texts = read_texts(args.text)
     references = dict(item.split("=", 1) for item in args.reference)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results = {"settings": settings, "commit": _commit(), "models": {}, "measured": {}}
+    results = {"settings": settings, "commit": _commit(), "machine": describe(), "models": {}, "measured": {}}
     if args.update:
         results = kept_results(args.out / "parallel.json", results)
     for item in args.model:
@@ -347,7 +349,7 @@ def main(argv=None) -> dict:
         for stage, path in (("before", before), ("after", after)):
             logger.info("%s, %s parallelism training: %s", name, stage, path)
             results["models"][name][stage] = measure(path, args, texts, reference)
-        results["measured"][name] = {"commit": results["commit"], "verify": args.verify}
+        results["measured"][name] = {"commit": results["commit"], "verify": args.verify, "machine": results["machine"]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parallel.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "parallel.png")

@@ -44,3 +44,17 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     assert "verify@2, 3:2, 3:lookup, 3 / AR" in results_md.read_text()
     with pytest.raises(SystemExit):  # a --verify entry that is not B, B:W or B:lookup: argparse's usage error
         parallel_bench.main(["--model", f"tiny={before},{after}", "--verify", "3:ngram", *common])
+
+
+def test_the_results_section_names_each_models_machine():
+    """CPU ratios move with the machine: the section says where the run and each kept model were measured."""
+    here = {"cpu": "Some CPU", "capability": "AVX2", "cpus": 2, "torch": "2.13.0"}
+    results = {"settings": {"prompts": 2, "prompt_tokens": 8, "new_tokens": 8, "block_size": 4, "speed_threshold": 0.9},
+               "commit": "abc",
+               "machine": here, "models": {},
+               "measured": {"new": {"commit": "abc", "machine": here}, "old": {"commit": "def"},
+                            "elsewhere": {"commit": "abc", "machine": {**here, "cpu": "Other CPU"}}}}
+    intro = parallel_bench.render(results).splitlines()[2]
+    assert "(commit abc, Some CPU, AVX2, 2 cores; kept from earlier runs (`--update`): old at def, machine not " \
+           "recorded, elsewhere at abc, Other CPU, AVX2, 2 cores)" in intro
+    assert "new at" not in intro
