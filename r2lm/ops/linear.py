@@ -8,7 +8,8 @@ about what a step of 1 costs -- the premise of every parallel decoder. MKL's sge
 at 2-8 rows. The same product computed the other way round, (W @ x^T)^T, comes near memory bandwidth: about
 20-25 ms for 1-4 rows, 30-45 ms for 5-8; from 12 rows on the two cost about the same. A single row is read as two
 (one row dispatches to gemv, the slow path). On a 2-core AVX2 AMD EPYC, with ~3x less memory bandwidth, the
-fast path takes 66-69 ms for 1-4 rows against F.linear's 68 at 1 row and 116-124 at 2-4; 12 rows: F.linear 0.92x.
+fast path takes 66-69 ms for 1-4 rows against F.linear's 68 at 1 row and 116-124 at 2-4; at 12 rows (past
+FEW_ROWS) it would run at 0.92x F.linear's speed.
 
 Only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched linear) or autocast,
 float32 on CPU, at most FEW_ROWS rows and weights of more than SMALL_WEIGHT elements, where it was measured faster: a small
