@@ -4,6 +4,7 @@ against AR decoding, before and after parallelism training (certainty forcing), 
     python -m eval.parallel_bench --model r2lm=BEFORE,AFTER --model causal=BEFORE,AFTER \\
         [--reference smollm2=HF_FOLDER] --text HELDOUT [--thresholds 0.5 0.7 0.9] [--prompts 16]
         [--prompt-tokens 64] [--new-tokens 64] [--block-size 16] [--verify 4 8 8:2 8:3 12:2] [--batch-sizes 1 8]
+        [--speed-prompts 4]
         [--out docs/results] [--results-md docs/results.md] [--update]
 
 For every checkpoint (a model name's BEFORE and AFTER parallelism training), on the same held-out prompts (the
@@ -16,8 +17,10 @@ first --prompt-tokens tokens of held-out documents), greedy:
   (LLaDA's schedule with one step per token); with --reference NAME=HF_FOLDER (the original transformers model a
   name was converted from), agreement with the reference's own greedy continuation and the NLL of the generated
   text under the reference;
-- speed, at each batch size, in one interleaved run: R2LM at --speed-threshold, AR decoding of the same backbone
-  (the model without its sidecars, block size 1, KV cache), transformers' generate on that backbone, and
+- speed, at each batch size, in one interleaved run over --speed-prompts prompts (a batch at a time: batch 1 is
+  timed over several prompts, since one prompt's text decides much of what a drafter guesses): R2LM at
+  --speed-threshold, AR decoding of the same backbone (the model without its sidecars, block size 1, KV cache),
+  transformers' generate on that backbone, and
   verify=True at each of --verify (B: drafts of B tokens, every outcome pre-drafted; B:W: W drafting windows per
   forward, `verify_windows`; lossless: it must equal AR token for token; checked), as generated tokens / s and
   ratios to AR; verify's accepted tokens per forward.
@@ -128,47 +131,69 @@ def verify_spec(spec: str) -> str:
     return spec
 
 
+def speed_batches(prompts: torch.Tensor, count: int, batch: int) -> list[torch.Tensor]:
+    """The batches a speed measurement decodes: the first max(count, batch) prompts, `batch` at a time (the prompts
+    repeated where there are fewer than one batch), so batch 1 is timed over `count` prompts rather than one."""
+    rows = -(-max(count, batch) // batch) * batch
+    ids = prompts.repeat(-(-rows // prompts.shape[0]), 1)[:rows]
+    return list(ids.split(batch))
+
+
 def speed(model, prompts, args, batch: int) -> dict:
-    """tokens/s of R2LM, AR (same backbone), transformers' generate and verify=True, interleaved."""
+    """tokens/s of R2LM, AR (same backbone), transformers' generate and verify=True, interleaved, over the batches
+    of `speed_batches` (each decoder's time: all of them, median over --repeats)."""
     from r2lm.convert.to_hf import transformers_backbone
 
-    ids = prompts[:batch] if prompts.shape[0] >= batch else prompts.repeat(-(-batch // prompts.shape[0]), 1)[:batch]
+    batches = speed_batches(prompts, args.speed_prompts, batch)
     plain = without_sidecars(model)
     hf = transformers_backbone(plain).eval()
     n = args.new_tokens
     runs = {
-        "r2lm": lambda: generate(model, ids, max_new_tokens=n, block_size=args.block_size,
-                                 threshold=args.speed_threshold, eos_token_id=[]),
-        "ar": lambda: generate(plain, ids, max_new_tokens=n, block_size=1, eos_token_id=[]),
-        "transformers": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                            min_new_tokens=n, do_sample=False, pad_token_id=0),
+        "r2lm": lambda ids: generate(model, ids, max_new_tokens=n, block_size=args.block_size,
+                                     threshold=args.speed_threshold, eos_token_id=[]),
+        "ar": lambda ids: generate(plain, ids, max_new_tokens=n, block_size=1, eos_token_id=[]),
+        "transformers": lambda ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                min_new_tokens=n, do_sample=False, pad_token_id=0),
     }
     for spec in args.verify:
         options = verify_options(spec)
-        runs[f"verify@{spec}"] = lambda o=options: generate(model, ids, max_new_tokens=n, verify=True, eos_token_id=[],
-                                                            **o)
+        runs[f"verify@{spec}"] = lambda ids, o=options: generate(model, ids, max_new_tokens=n, verify=True,
+                                                                 eos_token_id=[], **o)
     lookups = [verify_options(spec)["block_size"] for spec in args.verify if spec.endswith(":lookup")]
     if lookups and batch == 1:  # transformers' own prompt lookup (assisted generation: one row at a time)
-        runs["transformers_lookup"] = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                                          min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                                          prompt_lookup_num_tokens=max(lookups))
-    results = {name: run() for name, run in runs.items()}  # warm-up, and the outputs to check
-    ar = results["ar"].sequences
-    verified = [f"verify@{spec}" for spec in args.verify]
-    checks = {"verify_is_ar": all(torch.equal(results[v].sequences, ar) for v in verified),
-              "ar_is_transformers": all(torch.equal(results[t], ar) for t in ("transformers", "transformers_lookup")
-                                        if t in results)}
-    times = {name: [] for name in runs}
+        runs["transformers_lookup"] = lambda ids: hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                                              pad_token_id=0, prompt_lookup_num_tokens=max(lookups))
+    logger.info("speed at batch %d: %d prompts, %s; %d repeats", batch, len(batches) * batch, ", ".join(runs),
+                args.repeats)
+    for run in runs.values():  # warm-up
+        run(batches[0])
+    times, results = {name: [] for name in runs}, {}  # results: each decoder's outputs of its first timed pass
     for _ in range(args.repeats):
         for name, run in runs.items():
             start = time.perf_counter()
-            run()
+            outputs = [run(ids) for ids in batches]
             times[name].append(time.perf_counter() - start)
-    tps = {name: batch * n / statistics.median(t) for name, t in times.items()}
-    return {"tokens_per_s": tps, "vs_ar": {k: v / tps["ar"] for k, v in tps.items()},
+            results.setdefault(name, outputs)
+    ar = [out.sequences for out in results["ar"]]
+    verified = [f"verify@{spec}" for spec in args.verify]
+
+    def equal_to_ar(name, sequences=lambda out: out.sequences):
+        return all(torch.equal(sequences(out), a) for out, a in zip(results[name], ar, strict=True))
+
+    checks = {"verify_is_ar": all(equal_to_ar(v) for v in verified),
+              "ar_is_transformers": all(equal_to_ar(t, lambda out: out) for t in ("transformers", "transformers_lookup")
+                                        if t in results)}
+    tps = {name: len(batches) * batch * n / statistics.median(t) for name, t in times.items()}
+
+    def per_forward(name):  # over all the batches: generated tokens / the forwards each row took part in
+        outs = results[name]
+        return sum(o.new_tokens for o in outs) / sum(o.new_tokens / o.tokens_per_forward for o in outs)
+
+    return {"prompts": len(batches) * batch, "tokens_per_s": tps, "vs_ar": {k: v / tps["ar"] for k, v in tps.items()},
             "vs_transformers": {k: v / tps["transformers"] for k, v in tps.items()},
-            "r2lm_tokens_per_forward": results["r2lm"].tokens_per_forward,
-            "verify_tokens_per_forward": {v: results[v].tokens_per_forward for v in verified}, **checks}
+            "r2lm_tokens_per_forward": per_forward("r2lm"),
+            "verify_tokens_per_forward": {v: per_forward(v) for v in verified}, **checks}
 
 
 def measure(path: str, args, texts, reference=None) -> dict:
@@ -235,11 +260,12 @@ def render(results: dict) -> str:
               "row's own text (`verify_draft=\"lookup\"`, prompt lookup: no window); here "
               f"{lengths} (lossless: its output is AR's, checked); transformers lookup = its `generate` with "
               "`prompt_lookup_num_tokens` (the longest B:lookup; batch 1 only: assisted generation decodes one row). "
-              "Ratios to AR; one interleaved run per batch size.",
+              "Ratios to AR over the prompts timed (every decoder decodes the same ones, a batch at a time, and is "
+              "timed over all of them); one interleaved run per batch size.",
               "",
-              f"| model | stage | batch | R2LM / AR | verify@{lengths} / AR | AR / transformers | transformers lookup / AR"
-              f" | R2LM tokens/forward | verify@{lengths} tokens/forward | verify == AR |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              f"| model | stage | batch | prompts timed | R2LM / AR | verify@{lengths} / AR | AR / transformers "
+              f"| transformers lookup / AR | R2LM tokens/forward | verify@{lengths} tokens/forward | verify == AR |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, stages in results["models"].items():
         for stage, e in stages.items():
             for batch, v in e["speed"].items():
@@ -247,7 +273,8 @@ def render(results: dict) -> str:
                 per_forward = " / ".join(f"{v['verify_tokens_per_forward'][k]:.2f}"
                                          if k in v["verify_tokens_per_forward"] else "-" for k in specs)
                 theirs = v["vs_ar"].get("transformers_lookup")
-                lines.append(f"| {name} | {stage} | {batch} | {v['vs_ar']['r2lm']:.2f} | {ratios} | "
+                timed = v.get("prompts", int(batch))  # measured before --speed-prompts: one batch
+                lines.append(f"| {name} | {stage} | {batch} | {timed} | {v['vs_ar']['r2lm']:.2f} | {ratios} | "
                              f"{v['vs_transformers']['ar']:.2f} | {'-' if theirs is None else f'{theirs:.2f}'} | "
                              f"{v['r2lm_tokens_per_forward']:.2f} | {per_forward} | {v['verify_is_ar']} |")
     lines += ["", "![parallel decoding](results/parallel.png)"]
@@ -320,6 +347,9 @@ def main(argv=None) -> dict:
                              "outcome; a verification forward reads B * (W + 1) columns) or drafted by prompt "
                              "lookup (B columns)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--speed-prompts", type=int, default=4,
+                        help="prompts each speed measurement decodes, a batch at a time (at least one batch): batch "
+                             "1 is timed over this many prompts, not one")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nll-seq-len", type=int, default=256)
     parser.add_argument("--nll-sequences", type=int, default=32)
@@ -331,6 +361,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
     args = parser.parse_args(argv)
+    if not 1 <= args.speed_prompts <= args.prompts:
+        parser.error(f"--speed-prompts must be between 1 and --prompts ({args.prompts}), got {args.speed_prompts}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM

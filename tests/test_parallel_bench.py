@@ -4,6 +4,7 @@ run, and the lossless checks it reports (verify == AR, AR == transformers) are t
 import json
 
 import pytest
+import torch
 from test_train_helpers import make_model_dir, write_corpus
 
 from eval import parallel_bench
@@ -16,13 +17,13 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nkept\n")
     common = ["--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8", "--block-size", "4",
-              "--batch-sizes", "1", "2", "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2",
+              "--batch-sizes", "1", "2", "--speed-prompts", "2", "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2",
               "--threads", "1", "--out", str(tmp_path / "out"), "--results-md", str(results_md)]
     parallel_bench.main(["--model", f"tiny={before},{after}", "--new-tokens", "8", "--verify", "2", "3:2", "3:lookup",
                          *common])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())
     speed = data["models"]["tiny"]["after"]["speed"]
-    assert set(speed) == {"1", "2"}
+    assert set(speed) == {"1", "2"} and speed["1"]["prompts"] == speed["2"]["prompts"] == 2  # batch 1: two prompts
     for v in speed.values():
         assert v["verify_is_ar"] is True and v["ar_is_transformers"] is True
         assert set(v["verify_tokens_per_forward"]) == {"verify@2", "verify@3:2", "verify@3:lookup"}
@@ -44,6 +45,18 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     assert "verify@2, 3:2, 3:lookup, 3 / AR" in results_md.read_text()
     with pytest.raises(SystemExit):  # a --verify entry that is not B, B:W or B:lookup: argparse's usage error
         parallel_bench.main(["--model", f"tiny={before},{after}", "--verify", "3:ngram", *common])
+    with pytest.raises(SystemExit):  # more prompts to time than --prompts gives
+        parallel_bench.main(["--model", f"tiny={before},{after}", *common, "--speed-prompts", "3"])
+
+
+def test_speed_batches_time_the_same_prompts_a_batch_at_a_time():
+    prompts = torch.arange(12).view(6, 2)
+    one = parallel_bench.speed_batches(prompts, 4, 1)
+    assert [b.tolist() for b in one] == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    assert torch.equal(torch.cat(parallel_bench.speed_batches(prompts, 4, 2)), prompts[:4])
+    eight = parallel_bench.speed_batches(prompts, 4, 8)  # one batch, the prompts repeated to fill it
+    assert len(eight) == 1 and torch.equal(eight[0], torch.cat([prompts, prompts[:2]]))
+    assert [b.shape[0] for b in parallel_bench.speed_batches(prompts, 5, 2)] == [2, 2, 2]  # whole batches
 
 
 def test_the_results_section_names_each_models_machine():
