@@ -20,10 +20,9 @@ first --prompt-tokens tokens of held-out documents), greedy:
 - speed, at each batch size, in one interleaved run over --speed-prompts prompts (a batch at a time: batch 1 is
   timed over several prompts, since one prompt's text decides much of what a drafter guesses): R2LM at
   --speed-threshold, AR decoding of the same backbone (the model without its sidecars, block size 1, KV cache),
-  transformers' generate on that backbone, and
-  verify=True at each of --verify (B: drafts of B tokens, every outcome pre-drafted; B:W: W drafting windows per
-  forward, `verify_windows`; lossless: it must equal AR token for token; checked), as generated tokens / s and
-  ratios to AR; verify's accepted tokens per forward.
+  transformers' generate on that backbone, and verify=True at each of --verify (B: drafts of B tokens, every
+  outcome pre-drafted; B:W: W drafting windows per forward, `verify_windows`; lossless: it must equal AR token for
+  token; checked), as generated tokens / s and ratios to AR; verify's accepted tokens per forward.
 
 Writes parallel.json and parallel.png to --out and replaces the "Parallel decoding" section of --results-md
 (between its markers) with tables rendered from the JSON (`render`, also used by scripts/make_results.py). With
@@ -175,15 +174,15 @@ def speed(model, prompts, args, batch: int) -> dict:
             outputs = [run(ids) for ids in batches]
             times[name].append(time.perf_counter() - start)
             results.setdefault(name, outputs)
-    ar = [out.sequences for out in results["ar"]]
+    sequences = {name: [out if torch.is_tensor(out) else out.sequences for out in outs]  # transformers: a tensor
+                 for name, outs in results.items()}
     verified = [f"verify@{spec}" for spec in args.verify]
 
-    def equal_to_ar(name, sequences=lambda out: out.sequences):
-        return all(torch.equal(sequences(out), a) for out, a in zip(results[name], ar, strict=True))
+    def same_as_ar(name):
+        return all(map(torch.equal, sequences[name], sequences["ar"]))
 
-    checks = {"verify_is_ar": all(equal_to_ar(v) for v in verified),
-              "ar_is_transformers": all(equal_to_ar(t, lambda out: out) for t in ("transformers", "transformers_lookup")
-                                        if t in results)}
+    checks = {"verify_is_ar": all(map(same_as_ar, verified)),
+              "ar_is_transformers": all(same_as_ar(t) for t in ("transformers", "transformers_lookup") if t in results)}
     tps = {name: len(batches) * batch * n / statistics.median(t) for name, t in times.items()}
 
     def per_forward(name):  # over all the batches: generated tokens / the forwards each row took part in

@@ -72,3 +72,36 @@ def test_the_layer_keeps_nn_linear_parameters_and_gradients():
     layer(x).square().sum().backward()
     reference(x).square().sum().backward()
     assert torch.equal(layer.weight.grad, reference.weight.grad) and torch.equal(layer.bias.grad, reference.bias.grad)
+
+
+@pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
+                                                                    hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
+def test_decoding_through_the_fast_path_keeps_the_cache_exact(monkeypatch, kind):
+    """A tiny model's weights sit under SMALL_WEIGHT and keep F.linear. Forced onto the fast path, the transposed
+    views it returns flow through attention, the KV cache, the sidecars and the LM head: cached decoding still
+    equals the full recompute (invariant 2), and verify=True still equals AR decoding with sidecars off."""
+    from conftest import tiny_r2lm
+
+    from r2lm import generate
+    from r2lm.convert.to_hf import without_sidecars
+    from r2lm.ops import linear as ops_linear
+
+    monkeypatch.setattr(ops_linear, "SMALL_WEIGHT", 0)
+    model = tiny_r2lm(seed=0, open_gates=True, **kind)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # sharp distributions: several tokens per step
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
+    ids[:, -3:] = ids[:, 1:4]  # a repeated span: prompt lookup has drafts to offer
+    counter = MatrixProducts()
+    with counter:
+        cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
+    assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the fast path
+    assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
+                                                  use_cache=False).sequences)
+    assert cached.steps < 12  # several tokens per step: the window forwards are exercised
+    if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
+        ar = generate(without_sidecars(model), ids, max_new_tokens=12, block_size=1, eos_token_id=[]).sequences
+        for draft in ("window", "lookup"):
+            out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
+                           eos_token_id=[])
+            assert torch.equal(out.sequences, ar)

@@ -17,8 +17,8 @@ def test_the_bench_writes_json_png_and_the_results_section(tmp_path):
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nkept\n")
     common = ["--text", str(heldout), "--prompts", "2", "--prompt-tokens", "8", "--block-size", "4",
-              "--batch-sizes", "1", "2", "--speed-prompts", "2", "--repeats", "1", "--nll-seq-len", "32", "--nll-sequences", "2",
-              "--threads", "1", "--out", str(tmp_path / "out"), "--results-md", str(results_md)]
+              "--batch-sizes", "1", "2", "--speed-prompts", "2", "--repeats", "1", "--nll-seq-len", "32",
+              "--nll-sequences", "2", "--threads", "1", "--out", str(tmp_path / "out"), "--results-md", str(results_md)]
     parallel_bench.main(["--model", f"tiny={before},{after}", "--new-tokens", "8", "--verify", "2", "3:2", "3:lookup",
                          *common])
     data = json.loads((tmp_path / "out" / "parallel.json").read_text())

@@ -17,7 +17,7 @@ weight stays in the cache (the README main job's 1M-parameter model: every weigh
 the faster one and the fast path's extra operations cost more than its product (3x at one row). The sums are the
 same products in another order: equal to `F.linear` up to float rounding, as any two sgemm blockings are.
 
-The fast path returns (W @ x^T)^T as it is, a transposed view (strides (1, rows)), not a row-major copy: copying
+The fast path returns (W @ x^T)^T as it is, a column-major view, not a row-major copy: copying
 a few columns of many rows into rows is a strided gather that costs far more than its size suggests (measured on
 the AVX2 machine: 37 us for 1536 x 4 values, 0.45-0.87 ms for a 4-row lm_head output, against 4 and 30 us for a
 contiguous copy), and the operations that read the output take its strides. Without that copy, AR decoding of
