@@ -17,7 +17,7 @@ first --prompt-tokens tokens of held-out documents), greedy:
   (LLaDA's schedule with one step per token); with --reference NAME=HF_FOLDER (the original transformers model a
   name was converted from), agreement with the reference's own greedy continuation and the NLL of the generated
   text under the reference;
-- speed, at each batch size, in one interleaved run over --speed-prompts prompts (a batch at a time: batch 1 is
+- speed, at each batch size, in one run interleaved a batch at a time over --speed-prompts prompts (batch 1 is
   timed over several prompts, since one prompt's text decides much of what a drafter guesses): R2LM at
   --speed-threshold, AR decoding of the same backbone (the model without its sidecars, block size 1, KV cache),
   transformers' generate on that backbone, and verify=True at each of --verify (B: drafts of B tokens, every
@@ -167,13 +167,19 @@ def speed(model, prompts, args, batch: int) -> dict:
                 args.repeats)
     for run in runs.values():  # warm-up
         run(batches[0])
+    # Interleaved a batch at a time, so a drift in this machine's speed (a shared host's memory bandwidth moves AR's
+    # tok/s by 10-25% within minutes) falls on every decoder alike rather than on whichever ran then.
     times, results = {name: [] for name in runs}, {}  # results: each decoder's outputs of its first timed pass
     for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            outputs = [run(ids) for ids in batches]
-            times[name].append(time.perf_counter() - start)
-            results.setdefault(name, outputs)
+        spent, outputs = dict.fromkeys(runs, 0.0), {name: [] for name in runs}
+        for ids in batches:
+            for name, run in runs.items():
+                start = time.perf_counter()
+                outputs[name].append(run(ids))
+                spent[name] += time.perf_counter() - start
+        for name in runs:
+            times[name].append(spent[name])
+            results.setdefault(name, outputs[name])
     sequences = {name: [out if torch.is_tensor(out) else out.sequences for out in outs]  # transformers: a tensor
                  for name, outs in results.items()}
     verified = [f"verify@{spec}" for spec in args.verify]

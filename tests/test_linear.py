@@ -1,5 +1,6 @@
 """r2lm.ops.linear: the CPU decode fast path computes F.linear's product (up to float rounding) and is taken only
-where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows, weights over SMALL_WEIGHT."""
+where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows (2 to SMALL_WEIGHT_ROWS for
+weights of at most SMALL_WEIGHT elements)."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm.layers.linear import Linear
-from r2lm.ops.linear import FEW_ROWS, SMALL_WEIGHT, linear
+from r2lm.ops.linear import FEW_ROWS, SMALL_WEIGHT, SMALL_WEIGHT_ROWS, linear
 
 
 class MatrixProducts(TorchDispatchMode):
@@ -51,7 +52,31 @@ def test_the_fast_path_is_taken_only_where_it_was_measured_faster():
     assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
     assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
     assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
-    assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight[: SMALL_WEIGHT // 24], grad=False)  # cached
+    small = weight[: SMALL_WEIGHT // 24]  # a weight that may sit in the cache: F.linear at 1 row and many rows
+    assert not multiplied_by_the_weight(torch.randn(1, 1, 24), small, grad=False)
+    assert multiplied_by_the_weight(torch.randn(1, 2, 24), small, grad=False)
+    assert multiplied_by_the_weight(torch.randn(1, SMALL_WEIGHT_ROWS, 24), small, grad=False)
+    assert not multiplied_by_the_weight(torch.randn(1, SMALL_WEIGHT_ROWS + 1, 24), small, grad=False)
+
+
+def test_a_column_major_input_is_multiplied_as_rows():
+    """The fast path's own output is a column-major view; fed to the next product (the MLP's down_proj), it is
+    copied into rows first, so W @ x^T gets the right-hand side layout MKL is fast with (x^T column-major)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(SMALL_WEIGHT // 24 + 1, 24, generator=g)
+    x = torch.randn(24, 4, generator=g).t()[None]  # [1, 4, 24], column-major
+    seen = []
+
+    class Operands(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) == "aten.mm":
+                seen.append(args[1].stride())
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Operands():
+        out = linear(x, weight)
+    assert seen == [(1, 24)]  # x^T [24, 4] column-major: x's rows contiguous
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_autocast_and_other_dtypes_keep_f_linear():
@@ -77,7 +102,8 @@ def test_the_layer_keeps_nn_linear_parameters_and_gradients():
 @pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
                                                                     hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
 def test_decoding_through_the_fast_path_keeps_the_cache_exact(monkeypatch, kind):
-    """A tiny model's weights sit under SMALL_WEIGHT and keep F.linear. Forced onto the fast path, the transposed
+    """A tiny model's weights sit under SMALL_WEIGHT and keep F.linear but at 2-4 rows. Forced onto the fast path
+    at every row count, the transposed
     views it returns flow through attention, the KV cache, the sidecars and the LM head: cached decoding still
     equals the full recompute (invariant 2), and verify=True still equals AR decoding with sidecars off."""
     from conftest import tiny_r2lm
