@@ -7,8 +7,9 @@
 The weights are those of one forward of an R2LM of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, 9/3
 heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench's SmolLM2 models), or of the
 R2LM checkpoint --config names: random, float32, all distinct tensors (about 590 MB for SmolLM2), so they stream
-from memory as a real step's do rather than sit in a cache (a model small enough to sit there keeps F.linear:
-r2lm.ops.linear.SMALL_WEIGHT). For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
+from memory as a real step's do rather than sit in a cache (a weight small enough to sit there keeps F.linear
+but at 2 to r2lm.ops.linear.SMALL_WEIGHT_ROWS rows). Each input is contiguous: the layout of a chained layer's
+input (r2lm.ops.linear's docstring) is not timed here. For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
 every weight: the median over --repeats of passes interleaved between the two. Prints a table, writes
 linear_cost.json and linear_cost.png to --out.
 """

@@ -15,7 +15,7 @@ Only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's
 float32 on CPU and at most FEW_ROWS rows, where it was measured faster. A weight of at most SMALL_WEIGHT elements
 takes it only at 2 to SMALL_WEIGHT_ROWS rows. Such a weight may stay in the cache (every weight of a tiny model such
 as QUICKSTART_TINY's), where F.linear's kernel is the faster one: the fast path costs 2.8x at one row, 1.15x at 2-4,
-1.4-1.6x at 5-8 (192 x 576, AVX2 EPYC). Among a real model's weights it streams from memory like the others:
+1.3-1.6x at 5-8 (192 x 576, AVX2 EPYC). Among a real model's weights it streams from memory like the others:
 SmolLM2-135M's k_proj and v_proj (192 x 576) took 123 us at 4 rows through F.linear in a verify=True forward,
 77 us at one row, and about 60 us at 2-4 rows through the fast path, so verify=True with lookup drafts took 4% less
 time over 8 prompts; at one row and at 5-8 the two are within 5%. The sums are the same products in another order:
@@ -30,7 +30,7 @@ SmolLM2 (4 prompts, 64 tokens each) took 5.5% less time there, verify=True with 
 An input that is such a view (the MLP's act(gate) * up, elementwise on two of them) is copied into rows before
 its product, the copy the output skipped but of the smaller side (4 x 1536 values, ~20-40 us): W @ x^T with x^T
 row-major makes MKL's sgemm take 2.2x as long as with x^T column-major (AVX2 EPYC, SmolLM2's down_proj at 4
-rows: 735-766 against 340-345 us; 360-377 us copy included), 13 ms of a 4-row SmolLM2 forward.
+rows: 735-766 against 340-345 us; 360-377 us copy included), about 12 ms of a 4-row SmolLM2 forward.
 """
 
 from __future__ import annotations
