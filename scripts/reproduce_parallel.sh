@@ -10,7 +10,9 @@
 # (b) SmolLM2-135M-Instruct (real, offline), converted with sidecars on its top 6 layers (~9% more parameters),
 #     sidecars trained with the block objective on real text ("before", configs/parallel/smollm2_block.yaml), then
 #     with certainty forcing on SmolLM2's own greedy continuations ("after", smollm2_certainty.yaml); its backbone is
-#     frozen throughout, so verify=True decodes exactly SmolLM2's greedy output;
+#     frozen throughout, so verify=True decodes exactly SmolLM2's greedy output; and "smollm2_lora": the same
+#     certainty forcing from the same "before", training LoRA adapters on the backbone instead of the sidecars
+#     (smollm2_certainty_lora.yaml): what backbone training buys at the same budget;
 # then eval/parallel_bench.py on every before/after pair: docs/results/parallel.json and .png, and the "Parallel
 # decoding" section of docs/results.md.
 source "$(dirname "$0")/env.sh"
@@ -56,11 +58,25 @@ stage smollm2_teacher python train/teacher_data.py --teacher "$OUT/smollm2/r2lm"
   --max-new-tokens 96 --max-prompts 512 --batch-size 16 --out "$OUT/smollm2_teacher.jsonl"
 stage smollm2_certainty train "$OUT/smollm2/after" configs/parallel/smollm2_certainty.yaml \
   model="$OUT/smollm2/before/final" data.train="$OUT/smollm2_teacher.jsonl" data.heldout="$REPRO/corpus/heldout.jsonl"
+# certainty forcing with LoRA on the backbone instead of the sidecars: what training the backbone buys. Four times
+# the continuations, mixed with held-in real text as for the reproduction's models
+stage smollm2_teacher_lora python train/teacher_data.py --teacher "$OUT/smollm2/r2lm" --block-size 1 \
+  --student "$OUT/smollm2/before/final" --prompts "$REPRO/corpus/train.jsonl" --prompt-tokens 32 \
+  --max-new-tokens 96 --max-prompts 2048 --batch-size 16 --out "$OUT/smollm2_teacher_lora.jsonl"
+stage smollm2_real bash -c "head -n 100 '$REPRO/corpus/train.jsonl' > '$OUT/smollm2_real.jsonl.tmp' \
+  && mv '$OUT/smollm2_real.jsonl.tmp' '$OUT/smollm2_real.jsonl'"
+stage smollm2_certainty_lora train "$OUT/smollm2/after_lora" configs/parallel/smollm2_certainty_lora.yaml \
+  model="$OUT/smollm2/before/final" "data.train=[$OUT/smollm2_teacher_lora.jsonl, $OUT/smollm2_real.jsonl]" \
+  data.heldout="$REPRO/corpus/heldout.jsonl"
+stage smollm2_lora_merge python -m convert merge-lora "$OUT/smollm2/before/final" "$OUT/smollm2/after_lora/final" \
+  "$OUT/smollm2/after_lora_merged"
 
 # the measurements, side by side in one run
 stage bench python -m eval.parallel_bench --text "$REPRO/corpus/heldout.jsonl" \
   --model r2lm="$REPRO/runs/r2lm/final,$OUT/runs/r2lm/final" \
   --model causal="$REPRO/runs/causal/final,$OUT/runs/causal/final" \
   --model smollm2="$OUT/smollm2/before/final,$OUT/smollm2/after/final" --reference smollm2="$OUT/smollm2/hf" \
+  --model smollm2_lora="$OUT/smollm2/before/final,$OUT/smollm2/after_lora_merged" \
+  --reference smollm2_lora="$OUT/smollm2/hf" \
   --out docs/results --results-md docs/results.md
 echo "=== wrote docs/results/parallel.json, docs/results/parallel.png and the parallel section of docs/results.md"

@@ -72,6 +72,14 @@ def test_shipped_configs_load():
     assert big.precision == "bf16" and big.deepspeed.endswith("zero2.json") and big.data.streaming
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_training_config_is_valid(path):
+    """What the scripts launch: each file with the keys they fill in (model, output_dir, data) given on the
+    command line, as they give them."""
+    cfg = load_config(path, REQUIRED)
+    assert cfg.steps > 0 and cfg.model == "m"
+
+
 def test_qwen3_config_sidecars_add_about_ten_percent():
     """The arithmetic stated in configs/train/qwen3_1p7b_r2lm.yaml, recomputed from the real Qwen3-1.7B shape."""
     from r2lm import R2LMConfig
