@@ -304,7 +304,6 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     labels, accepted, oracle, ratio, verified = [], [], [], [], []
     top = f"{max(results['settings']['thresholds']):g}"
     for name, stages in results["models"].items():
@@ -315,6 +314,8 @@ def plot(results: dict, path: Path) -> None:
             ratio.append([v["vs_ar"]["r2lm"] for v in e["speed"].values()])
             verified.append([max(v["vs_ar"][k] for k in v["verify_tokens_per_forward"]) for v in e["speed"].values()])
     x = range(len(labels))
+    # about an inch a bar group per panel, so that two-line labels such as "smollm2_lora\nbefore" do not overlap
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(11.0, 2.0 * len(labels)), 4.4))
     left.bar([i - 0.2 for i in x], accepted, 0.4, label="accepted")
     left.bar([i + 0.2 for i in x], oracle, 0.4, label="oracle")
     left.set(title=f"tokens per step at threshold {top}", xticks=list(x), xticklabels=labels)
@@ -328,7 +329,9 @@ def plot(results: dict, path: Path) -> None:
                       hatch="//" if k else None)
     right.axhline(1.0, color="k", lw=0.8)
     right.set(title="tokens/s / AR tokens/s", xticks=list(x), xticklabels=labels)
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below: bars fill the panel
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
