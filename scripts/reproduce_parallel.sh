@@ -63,7 +63,7 @@ stage smollm2_certainty train "$OUT/smollm2/after" configs/parallel/smollm2_cert
 # held-in prompt continued (1360, 2.7x), mixed with held-in real text as for the reproduction's models
 stage smollm2_teacher_lora python train/teacher_data.py --teacher "$OUT/smollm2/r2lm" --block-size 1 \
   --student "$OUT/smollm2/before/final" --prompts "$REPRO/corpus/train.jsonl" --prompt-tokens 32 \
-  --max-new-tokens 96 --max-prompts 2048 --batch-size 16 --out "$OUT/smollm2_teacher_lora.jsonl"
+  --max-new-tokens 96 --batch-size 16 --out "$OUT/smollm2_teacher_lora.jsonl"
 stage smollm2_real bash -c "head -n 100 '$REPRO/corpus/train.jsonl' > '$OUT/smollm2_real.jsonl.tmp' \
   && mv '$OUT/smollm2_real.jsonl.tmp' '$OUT/smollm2_real.jsonl'"
 stage smollm2_certainty_lora train "$OUT/smollm2/after_lora" configs/parallel/smollm2_certainty_lora.yaml \
