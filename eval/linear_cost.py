@@ -1,5 +1,6 @@
-"""What a decode step's matrix products cost on a CPU: `torch.nn.functional.linear` against r2lm.ops.linear
-(its CPU decode fast path), side by side in one run, for every row count a decode step multiplies by.
+"""What a decode step's matrix products cost on a CPU, in both orders r2lm.ops.linear chooses between, and which it
+chose: `torch.nn.functional.linear` (x @ W^T), the transposed order ((W @ x^T)^T), and r2lm's `linear` once it has
+measured each shape class, side by side in one run, for every row count a decode step multiplies by.
 
     python -m eval.linear_cost [--config CHECKPOINT] [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2]
         [--out docs/results]
@@ -7,11 +8,11 @@
 The weights are those of one forward of an R2LM of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, 9/3
 heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench's SmolLM2 models), or of the
 R2LM checkpoint --config names: random, float32, all distinct tensors (about 590 MB for SmolLM2), so they stream
-from memory as a real step's do rather than sit in a cache (a weight small enough to sit there keeps F.linear
-but at 2 to r2lm.ops.linear.SMALL_WEIGHT_ROWS rows). Each input is contiguous: the layout of a chained layer's
-input (r2lm.ops.linear's docstring) is not timed here. For each row count (the tokens a forward reads, times the batch), the time of multiplying those rows by
-every weight: the median over --repeats of passes interleaved between the two. Prints a table, writes
-linear_cost.json and linear_cost.png to --out.
+from memory as a real step's do rather than sit in a cache. Each input is contiguous. For each row count (the
+tokens a forward reads, times the batch), the time of multiplying those rows by every weight: the median over
+--repeats of passes interleaved between the three. r2lm's passes start after the passes that decide its orders
+(r2lm.ops.linear measures each class at its first uses). Prints a table with the machine and the decisions,
+writes linear_cost.json and linear_cost.png to --out.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eval.machine import describe, label, linear_orders
+from r2lm import R2LMConfig, R2LMForDiffusionLM
+from r2lm.ops.linear import FEW_ROWS, decisions, linear, transposed
 
-from eval.machine import describe, label  # noqa: E402
-from r2lm import R2LMConfig, R2LMForDiffusionLM  # noqa: E402
-from r2lm.ops.linear import FEW_ROWS, linear  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("eval.linear_cost")
 
@@ -50,7 +49,18 @@ def step_weights(config: R2LMConfig) -> list[torch.Tensor]:
 @torch.no_grad()
 def time_products(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    kinds = {"F.linear": F.linear, "r2lm": linear}
+    shapes = {(rows, *w.shape) for w in weights}
+
+    def decided():
+        return {(d["rows"], *d["weight"]) for d in decisions() if d["threads"] == torch.get_num_threads()}
+
+    for _ in range(100):  # r2lm's first passes measure both orders of each class, then it decides
+        if rows > FEW_ROWS or shapes <= decided():
+            break
+        for w in weights:
+            linear(inputs[w.shape[1]], w)
+
+    kinds = {"F.linear": F.linear, "transposed": transposed, "r2lm": linear}
     times = {k: [] for k in kinds}
     for _ in range(repeats + 1):  # the first pass warms up
         for name, fn in kinds.items():
@@ -70,9 +80,9 @@ def plot(results: dict, path: Path) -> None:
 
     rows = [int(r) for r in results["rows"]]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for kind, style in (("F.linear", "o-"), ("r2lm", "s-")):
+    for kind, style in (("F.linear", "o-"), ("transposed", "^--"), ("r2lm", "s-")):
         ax.plot(rows, [results["rows"][str(r)]["ms"][kind] for r in rows], style, label=kind)
-    ax.axvline(results["few_rows"], color="#999", linestyle=":", label="FEW_ROWS")
+    ax.axvline(results["few_rows"], color="#999", linestyle=":", label="FEW_ROWS (measured up to)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens per forward x batch)")
     ax.set_ylabel("ms per forward's products")
@@ -90,7 +100,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="folder for the JSON and PNG")
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or args.repeats < 1:
         parser.error("--rows and --repeats must be positive")
@@ -105,11 +115,15 @@ def main(argv=None) -> dict:
     for rows in args.rows:
         results["rows"][str(rows)] = time_products(weights, rows, args.repeats)
         logger.info("%d rows: %s", rows, results["rows"][str(rows)])
+    results["orders"] = linear_orders()
     print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads, {label(results['machine'])} "
-          f"(r2lm's fast path up to {FEW_ROWS} rows)")
-    print(f"{'rows':>5}{'F.linear ms':>13}{'r2lm ms':>10}{'speedup':>9}")
+          f"(r2lm measures both orders up to {FEW_ROWS} rows)")
+    print(f"{'rows':>5}{'F.linear ms':>13}{'transposed ms':>15}{'r2lm ms':>10}{'speedup':>9}  r2lm's orders")
     for rows, cell in results["rows"].items():
-        print(f"{rows:>5}{cell['ms']['F.linear']:>13.1f}{cell['ms']['r2lm']:>10.1f}{cell['speedup']:>9.2f}")
+        orders = results["orders"].get(rows, {"F.linear": ["all"]})
+        chosen = "; ".join(f"{order}: {', '.join(shapes)}" for order, shapes in orders.items() if shapes)
+        print(f"{rows:>5}{cell['ms']['F.linear']:>13.1f}{cell['ms']['transposed']:>15.1f}{cell['ms']['r2lm']:>10.1f}"
+              f"{cell['speedup']:>9.2f}  {chosen}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "linear_cost.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "linear_cost.png")

@@ -19,7 +19,7 @@ model_args (all optional but `pretrained`):
     mc_batch_size   Monte-Carlo samples per forward (default 32; lm-eval's --batch_size batches generation)
     block_size      window size for scoring and generation (default: config.block_size; AR generates at 1)
     threshold       confidence threshold of generate_until (default 0.9)
-    greedy_check    compute is_greedy of loglikelihood requests (default true; false reports False)
+    greedy_check    compute is_greedy of loglikelihood requests: true (default) or false (reports False)
     seed            mask seed of the estimator (default 0)
     max_length      context limit in tokens (default: config.max_position_embeddings)
     prefix_token_id the token rolling windows and empty contexts are conditioned on (default, as lm-eval's own hf
@@ -27,6 +27,9 @@ model_args (all optional but `pretrained`):
     device, dtype   default cuda if available / bfloat16 on cuda, float32 on cpu. lm-eval's CLI passes its --device
                     (default cuda:0) to every backend: a device this machine lacks falls back to that default, with a
                     warning, as lm-eval's hf model does
+
+Every model_arg is checked before the model loads: a value out of range, an argument the backend does not take (a
+misspelt name) or a `pretrained` that is no R2LM checkpoint folder is a ValueError naming it.
 
 Requests:
     loglikelihood          exact next-token log-likelihood (ar) or LLaDA's Monte-Carlo ELBO estimate (diffusion:
@@ -40,8 +43,11 @@ Requests:
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -75,10 +81,85 @@ def resolve_device(device: str | None) -> str:
     return default
 
 
-def _flag(value) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+FLAGS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _flag(name: str, value) -> bool:
+    """A yes/no argument: a bool, 0 / 1, or one of FLAGS' words (lm-eval passes model_args' true / false as bools)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in FLAGS:
+        return FLAGS[value.strip().lower()]
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _int(name: str, value, low: int = 1, high: int | None = None, what: str = "") -> int:
+    """An integer argument in [low, high] (`what` names the bound): lm-eval passes model_args' digits as an int,
+    a Python caller may pass "8"."""
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value} is above {what} {high}")
+    return value
+
+
+def _threshold(value) -> float:
+    try:
+        threshold = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        threshold = None
+    if threshold is None or not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be a number in (0, 1], got {value!r}")
+    return threshold
+
+
+def _batch_size(value) -> int | None:
+    """lm-eval's batch_size: a positive integer, or auto / auto:N (None: the backend's own default)."""
+    if value is None or (isinstance(value, str) and value.strip().startswith("auto")):
+        return None
+    return _int("batch_size", value)
+
+
+def check_arguments(unknown: dict) -> None:
+    """Refuse model_args the backend does not take, naming them (and the likely meant one): a misspelt option
+    would otherwise leave its default in place."""
+    if not unknown:
+        return
+    known = sorted(n for n in inspect.signature(R2LMEvalLM.__init__).parameters if n not in ("self", "unknown"))
+    names = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        names.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise ValueError(f"unknown r2lm model_args: {', '.join(names)}; the backend takes {', '.join(known)}")
+
+
+def checkpoint_config(pretrained, tokenizer):
+    """The config of the checkpoint folder `pretrained`, every part checked before the model loads: transformers
+    takes a path it cannot find for a hub repo id ("Repo id must be in the form ...")."""
+    from r2lm import R2LMConfig
+    from r2lm.checkpoints import check_weights, has_tokenizer, read_config
+
+    folder = Path(str(pretrained))
+    if folder.is_file():
+        raise ValueError(f"pretrained={pretrained} is a file; give the R2LM checkpoint folder that holds it")
+    if not folder.is_dir():
+        raise ValueError(f"pretrained={pretrained}: no such folder (give an R2LM checkpoint folder)")
+    model_type = read_config(folder).get("model_type")
+    if model_type != "r2lm":
+        raise ValueError(f"pretrained={pretrained} is a {model_type!r} checkpoint, not an R2LM one; convert it first "
+                         "(python -m convert from-hf ...)")
+    check_weights(folder)
+    if tokenizer is None and not has_tokenizer(folder):
+        raise ValueError(f"pretrained={pretrained} has no tokenizer (tokenizer.json, tokenizer_config.json or "
+                         "tokenizer.model): give tokenizer=PATH")
+    return R2LMConfig.from_pretrained(folder)
 
 
 class R2LMEvalLM(TemplateLM):
@@ -90,38 +171,50 @@ class R2LMEvalLM(TemplateLM):
                  mc_batch_size: int | None = None, batch_size=None, block_size: int | None = None,
                  threshold: float = 0.9, greedy_check=True, seed: int = 0, max_length: int | None = None,
                  prefix_token_id: int | None = None, device: str | None = None, dtype: str = "auto",
-                 max_batch_size=None, **unused):
+                 max_batch_size=None, **unknown):
         super().__init__()
-        if unused:
-            logger.warning("ignoring model_args %s", sorted(unused))
+        # every argument is checked before the model loads (a ValueError naming it)
+        check_arguments(unknown)
+        if mode not in scoring.MODES:
+            raise ValueError(f"mode must be one of {scoring.MODES}, got {mode!r}")
+        self.mc_num = _int("mc_num", mc_num)
+        self.mc_batch_size = 32 if mc_batch_size is None else _int("mc_batch_size", mc_batch_size)
+        # lm-eval's --batch_size (default 1) batches generate_until prompts; the estimator batches its own samples
+        self.gen_batch_size = _batch_size(batch_size) or 8
+        self.greedy_check = _flag("greedy_check", greedy_check)
+        self.threshold = _threshold(threshold)
+        self.seed = _int("seed", seed, 0)
+        if dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"dtype must be auto or a torch dtype name (float32, bfloat16, float16), got {dtype!r}")
+        if isinstance(tokenizer, str) and not Path(tokenizer).is_dir() and (
+                Path(tokenizer).is_file() or tokenizer.startswith(("/", "./", "../", "~"))):  # else: a hub name
+            raise ValueError(f"tokenizer={tokenizer}: no such folder (give the folder of a tokenizer)")
+        if model is None and pretrained is None:
+            raise ValueError("give pretrained=PATH (an R2LM checkpoint folder)")
+        config = model.config if model is not None else checkpoint_config(pretrained, tokenizer)
+        limit = config.max_position_embeddings
+        block = block_size if block_size is not None else config.block_size
+        self.block_size = _int("block_size", block)
+        self._max_length = limit if max_length is None else _int(
+            "max_length", max_length, 1, limit, "the model's max_position_embeddings")
+        self._prefix = None if prefix_token_id is None else _int(
+            "prefix_token_id", prefix_token_id, 0, config.vocab_size - 1, "the model's last token id")
+
         from transformers import AutoTokenizer
 
         if model is None:
-            if pretrained is None:
-                raise ValueError("give pretrained=PATH (an R2LM checkpoint folder)")
             model, tok = lk.load_model(str(pretrained), resolve_device(device), dtype)
             tokenizer = tokenizer or tok
         if isinstance(tokenizer, str) or tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(pretrained))
         self.model, self.tokenizer = model.eval(), tokenizer
         self.mode = scoring.eval_mode(model, mode)
-        self.mc_num = int(mc_num)
-        # lm-eval's --batch_size (default 1) batches generate_until prompts; the estimator batches its own samples
-        bs = None if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
-        self.mc_batch_size = int(mc_batch_size or 32)
-        self.gen_batch_size = bs or 8
-        self.block_size = int(block_size) if block_size is not None else model.config.block_size
-        self.threshold = float(threshold)
-        self.greedy_check = _flag(greedy_check)
-        self.seed = int(seed)
         self.caches = scoring.ContextCache()  # block models: a context's KV cache, shared by its choices
-        self._max_length = int(max_length or model.config.max_position_embeddings)
         self._device = model.device
         eos = lk.eos_of(tokenizer, model)
         if eos is None:
             raise ValueError("the tokenizer defines no EOS token (lm-eval's end-of-text token)")
         self._eot = eos
-        self._prefix = int(prefix_token_id) if prefix_token_id is not None else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         logger.info("r2lm backend: %s", lk.describe(model, self.mode))
 
@@ -212,7 +305,7 @@ class R2LMEvalLM(TemplateLM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.pop("max_gen_toks", 256))
-            do_sample = _flag(kwargs.pop("do_sample", False))
+            do_sample = _flag("generate_until's do_sample", kwargs.pop("do_sample", False))
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
             options = dict(
                 block_size=1 if self.mode == "ar" else int(kwargs.pop("block_size", self.block_size)),

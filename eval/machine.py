@@ -1,7 +1,7 @@
 """The machine a CPU benchmark ran on, written beside its figures. Its ratios move with the machine: what a
 4-row matrix product costs against a 1-row one (so what a verification forward costs against an AR step)
-depends on the CPU, its vector width and its memory bandwidth (eval/linear_cost, SmolLM2-135M's weights, on two
-of this project's 2-core machines: one row's products 20 ms on one and 68 ms on the other)."""
+depends on the CPU, its vector width and its memory bandwidth (eval/linear_cost has the figures per machine in
+docs/results.md); and so does which order r2lm.ops.linear multiplies few rows in (`linear_orders`)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,15 @@ def label(machine: dict | None) -> str:
     if not machine:
         return "machine not recorded"
     return f"{machine['cpu']}, {machine['capability']}, {machine['cpus']} cores"
+
+
+def linear_orders() -> dict:
+    """r2lm.ops.linear's decisions so far in this process, per row count: the weight shapes multiplied in each
+    order ({"1": {"transposed": ["576x576", ...], "F.linear": [...]}}); r2lm.ops.linear.decisions() has the timings."""
+    from r2lm.ops.linear import decisions
+
+    by_rows: dict = {}
+    for d in decisions():
+        orders = by_rows.setdefault(str(d["rows"]), {"transposed": [], "F.linear": []})
+        orders[d["order"]].append("x".join(map(str, d["weight"])))
+    return by_rows

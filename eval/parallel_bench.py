@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.likelihood import heldout_nll, pack_texts, read_texts  # noqa: E402
-from eval.machine import describe, label  # noqa: E402
+from eval.machine import describe, label, linear_orders  # noqa: E402
 from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
 from r2lm.convert.to_hf import without_sidecars  # noqa: E402
 from r2lm.generation import ParallelismMeter  # noqa: E402
@@ -389,7 +389,8 @@ def main(argv=None) -> dict:
         for stage, path in (("before", before), ("after", after)):
             logger.info("%s, %s parallelism training: %s", name, stage, path)
             results["models"][name][stage] = measure(path, args, texts, reference)
-        results["measured"][name] = {"commit": results["commit"], "verify": args.verify, "machine": results["machine"]}
+        results["measured"][name] = {"commit": results["commit"], "verify": args.verify, "machine": results["machine"],
+                                     "linear_orders": linear_orders()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parallel.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "parallel.png")

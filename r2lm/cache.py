@@ -13,45 +13,14 @@ the next window): it advances by those, and the window's scratch is overwritten 
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-
-FINGERPRINT_SAMPLES = 64  # values per tensor
 
 
 def cache_signature(config) -> tuple:
-    """What a cache's contents depend on: a cache only serves models with the same signature."""
+    """What a KVCache's shapes depend on: a cache only serves models with the same signature (a cache that outlives a
+    request checks the whole model: r2lm.prefix.identity)."""
     return (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, tuple(config.hybrid_layers),
             config.hybrid_feature_dim)
-
-
-def weight_fingerprint(model) -> str:
-    """A digest of a model's weights, for caches that outlive a request (PrefixCache, BiCache): every parameter's and
-    buffer's name, shape and dtype and FINGERPRINT_SAMPLES strided samples of its values. Cheap (a few thousand values
-    for any model size), so it is a sample: two models that differ only between the samples look alike, which
-    independent trainings or checkpoints never do.
-
-    Memoised on the model, and taken again once a tensor was replaced (its storage moved: `.to()`, `.half()`,
-    assigning a new Parameter) or written in place (its version counter moved: optimizer steps, `load_state_dict`,
-    `init.*`). Writes through `tensor.data` bypass the version counter and go unnoticed."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    state = tuple((t.data_ptr(), t._version) for _, t in tensors)
-    memo = getattr(model, "_r2lm_weight_fingerprint", None)
-    if memo is not None and memo[0] == state:
-        return memo[1]
-    digest = hashlib.blake2b(digest_size=16)
-    samples = []
-    with torch.no_grad():
-        for name, t in tensors:
-            digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-            flat = t.detach().reshape(-1)
-            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-            samples.append(flat[::step][:FINGERPRINT_SAMPLES].to(torch.float64))  # float64 holds every float exactly
-        digest.update(torch.cat(samples).cpu().numpy().tobytes())
-    fingerprint = digest.hexdigest()
-    model._r2lm_weight_fingerprint = (state, fingerprint)
-    return fingerprint
 
 
 class KVCache:

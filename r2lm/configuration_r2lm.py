@@ -173,6 +173,14 @@ class R2LMConfig(PreTrainedConfig):
             if any(not 0 <= i < self.vocab_size for i in ids):
                 verb = "has ids" if isinstance(value, list | tuple) else "is"
                 raise ValueError(f"{name} {value} {verb} outside the vocabulary [0, {self.vocab_size})")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list | tuple) else [self.eos_token_id]
+        if self.mask_token_id is not None and self.mask_token_id in eos:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is also the EOS token id ({self.eos_token_id}): "
+                             "every [MASK] still to decode would read as the end of the text, and no EOS could be "
+                             "generated")
+        if self.mask_token_id is not None and self.pad_token_id == self.mask_token_id:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is also the mask token id: padding would read as "
+                             "[MASK] positions to decode")
         for name in ("sidecar_layers", "hybrid_layers"):
             layers = getattr(self, name)
             bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]

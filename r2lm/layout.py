@@ -104,7 +104,17 @@ class Layout:
             noisy=torch.cat([lay.noisy for lay in layouts]),
             valid=valid,
             window_columns=windows[0] if len(windows) == 1 and isinstance(windows[0], slice) else
-            _right_aligned(windows) if windows else slice(0, 0),
+            _right_aligned(windows, layouts[0].noisy.device) if windows else slice(0, 0),
+        )
+
+    def select_rows(self, keep: torch.Tensor) -> Layout:
+        """The layout of the rows `keep` (a bool mask or indices over the batch) of a layout that tells rows apart."""
+        return Layout(
+            positions=self.positions[keep] if self.positions.shape[0] > 1 else self.positions,
+            chunks=self.chunks[keep] if self.chunks.dim() == 2 else self.chunks,
+            noisy=self.noisy,
+            valid=None if self.valid is None else self.valid[keep],
+            window_columns=self.window_columns,
         )
 
     def valid_mask(self, batch: int) -> torch.Tensor:
@@ -232,12 +242,12 @@ class Layout:
         return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks.flatten()[0]).all())
 
 
-def _right_aligned(windows: list) -> torch.Tensor | None:
-    """[W, Lw] from a list of windows (slices or 1-D column tensors), right-aligned, -1 padded; None if empty."""
+def _right_aligned(windows: list, device) -> torch.Tensor | None:
+    """[W, Lw] on `device` from a list of windows (slices or 1-D column tensors), right-aligned, -1 padded; None if
+    empty. (The layout's device, also when every window is a slice: the sidecar indexes activations with it.)"""
     if not windows:
         return None
-    rows = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w for w in windows]
-    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    rows = [torch.arange(w.start, w.stop, device=device) if isinstance(w, slice) else w for w in windows]
     width = max(len(r) for r in rows)
     return torch.stack([torch.cat([torch.full((width - len(r),), -1, dtype=torch.long, device=device), r.to(device)])
                         for r in rows])

@@ -33,36 +33,16 @@ from transformers.utils import ModelOutput
 from r2lm.cache import KVCache, cache_signature
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
-from r2lm.layers.hybrid import HybridParts
 from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
-from r2lm.ops.flex import BlockSparse, block_sparse
-
-
-@dataclass(frozen=True, eq=False)
-class ForwardPlan:
-    """What every layer of one forward needs from its layout, derived once before the layers run; never mutated."""
-
-    cos: torch.Tensor  # [B or 1, T, rotary dims]
-    sin: torch.Tensor
-    mask: torch.Tensor | None  # softmax layers: bool (True = attend) or additive float, [B or 1, 1, T, keys]
-    is_causal: bool = False  # no mask tensor: SDPA's own causal kernel (True) or no mask at all (False)
-    block_mask: BlockSparse | None = None  # softmax layers under flex_attention (no cache): the layout's tiles
-    own: torch.Tensor | None = None  # block-hybrid layers over a cache: softmax part [B or 1, 1, T, T]
-    earlier: torch.Tensor | None = None  # block-hybrid layers over a cache: linear part [B or 1, 1, T, T]
-    hybrid: HybridParts | None = None  # block-hybrid layers without a cache: the chunked (linear-time) form
-    valid: torch.Tensor | None = None  # [B, T] real tokens, None when all are
-    windows: torch.Tensor | slice | None = None  # the sidecar's scope (see ReverseSidecar.forward); None: no sidecar
-    columns: torch.Tensor | None = None  # with a cache: the cache columns this input's keys and values are written to
-    keys: int = 0  # with a cache: attention reads cache columns [0, keys)
-    commit: int = 0  # leading columns appended to the cache by this forward (block-hybrid layers fold their keys)
-    transfer: bool = False  # attention transfer: hybrid layers also score themselves against their softmax teacher
+from r2lm.plan import ForwardPlan, plan_of
 
 
 @dataclass
 class R2LMModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     attention_transfer: torch.Tensor | None = None  # [hybrid layers run] MSE to the softmax teacher (transfer plans)
+    captured: tuple[torch.Tensor, ...] | None = None  # the residual stream after each layer of `capture`, [B, T, hidden]
 
 
 class R2LMDecoderLayer(GradientCheckpointingLayer):
@@ -134,60 +114,33 @@ class R2LMModel(R2LMPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor | None = None, plan: ForwardPlan | None = None,
                 cache: KVCache | None = None, *, layout: Layout | None = None, hidden_states: torch.Tensor | None = None,
-                layers: range | None = None, norm: bool = True) -> R2LMModelOutput:
+                layers: range | None = None, norm: bool = True, capture: tuple[int, ...] = ()) -> R2LMModelOutput:
         """Hidden states [B, T, hidden] of `input_ids` (or of `hidden_states`, the residual stream entering
         `layers`) under `plan` (or the plan of `layout`, default: one clean span). `layers`: the range of layer
-        indices to run (default all); `norm=False` skips the final norm, to continue with another range."""
+        indices to run (default all); `norm=False` skips the final norm, to continue with another range.
+        `capture`: layer indices whose output (the residual stream after the layer) is returned too, in that order
+        (a drafter's context features, r2lm.drafter)."""
         if (input_ids is None) == (hidden_states is None):
             raise ValueError("give exactly one of input_ids and hidden_states")
         h = self.embed_tokens(input_ids) if input_ids is not None else hidden_states
         if plan is None:
             plan = self.plan(layout if layout is not None else Layout.span(torch.ones(h.shape[:2], device=h.device)),
                              cache)
-        transfer = []
-        for layer in self.layers[slice(layers.start, layers.stop) if layers is not None else slice(None)]:
+        transfer, captured = [], {}
+        first = layers.start if layers is not None else 0
+        for i, layer in enumerate(self.layers[slice(layers.start, layers.stop) if layers is not None else slice(None)],
+                                  start=first):
             h, mse = layer(h, plan, cache)
             if mse is not None:
                 transfer.append(mse)
-        return R2LMModelOutput(self.norm(h) if norm else h, torch.stack(transfer) if transfer else None)
+            if i in capture:
+                captured[i] = h
+        return R2LMModelOutput(self.norm(h) if norm else h, torch.stack(transfer) if transfer else None,
+                               tuple(captured[i] for i in capture) if capture else None)
 
     def plan(self, layout: Layout, cache: KVCache | None = None, commit: int = 0, transfer: bool = False) -> ForwardPlan:
-        """The ForwardPlan of `layout`, read against `cache` when given; `commit` leading columns are appended to it.
-
-        Without a cache, softmax layers attend through the layout's block-sparse tiles under
-        attn_implementation="flex_attention" (r2lm.ops.flex) and through its dense mask under "sdpa" (the
-        reference), and block-hybrid layers take their linear-time chunked form; over a cache (few columns) both
-        use the dense form."""
-        kind, config = self.config.attention, self.config
-        if transfer and cache is not None:
-            raise ValueError("attention transfer runs on a full layout, without a cache")
-        # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
-        plain = cache is None and layout.is_plain and not transfer
-        # softmax layers (or, under attention transfer, the softmax teacher of every hybrid layer) need a mask
-        softmax = transfer or len(config.hybrid_layers) < config.num_hidden_layers
-        mask = blocks = None
-        if softmax and not plain:
-            if cache is not None:
-                mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
-            elif config._attn_implementation == "flex_attention":
-                blocks = block_sparse(layout, kind)
-            else:
-                mask = layout.attention_mask(kind)
-        own = earlier = hybrid = None
-        if config.hybrid_layers and cache is None:
-            hybrid = HybridParts.of(layout, kind, config.block_size)
-        elif config.hybrid_layers:
-            own, earlier = (m[:, None] for m in layout.mask_parts(kind))
-        cos, sin = self.rotary_emb(self.embed_tokens.weight, layout.positions)
-        columns = keys = None
-        if cache is not None:
-            columns = cache.columns[cache.length : cache.length + layout.length]
-            keys = max(cache.length + layout.length, cache.stale_end)
-        return ForwardPlan(
-            cos=cos, sin=sin, mask=mask, is_causal=plain and kind == "causal", block_mask=blocks, own=own,
-            earlier=earlier, hybrid=hybrid, valid=layout.valid, windows=layout.windows if config.sidecar_layers else None,
-            columns=columns, keys=keys or 0, commit=commit, transfer=transfer,
-        )
+        """The ForwardPlan of `layout` for this stack (r2lm.plan.plan_of)."""
+        return plan_of(self.config, self.rotary_emb, layout, cache, commit, transfer, like=self.embed_tokens.weight)
 
 
 class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
@@ -210,9 +163,24 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
 
         There is no exception here on purpose: modules a conversion adds (sidecars, block-hybrid feature maps and
         gates, a [MASK] embedding row) are added by the converters (r2lm-convert), which build the model from
-        its config and load the backbone themselves, naming the new weights explicitly."""
+        its config and load the backbone themselves, naming the new weights explicitly.
+
+        From a local folder, first: its weight files are opened and checked against its checksums.sha256 (where it
+        has one), and its generation_config.json must parse (transformers would use its built-in defaults in
+        silence); each is refused with a ValueError naming the file."""
+        from pathlib import Path
+
+        from r2lm.checkpoints import check_weights, read_generation_config, weight_files
+
+        path = pretrained_model_name_or_path
+        folder = None if path is None else Path(path, kwargs.get("subfolder", ""))
+        if folder is not None and folder.is_dir():
+            if weight_files(folder):  # (a folder of .bin weights is left to transformers)
+                check_weights(folder)
+            if kwargs.get("generation_config") is None:
+                read_generation_config(folder)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        _refuse_partial_load(info, pretrained_model_name_or_path)
+        refuse_partial_load(info, pretrained_model_name_or_path)
         return (model, info) if output_loading_info else model
 
     def get_input_embeddings(self):
@@ -232,6 +200,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         labels: torch.Tensor | None = None,
         plan: ForwardPlan | None = None,
         return_dict: bool | None = None,
+        capture: tuple[int, ...] = (),
         **unsupported,
     ) -> CausalLMOutput:
         """Logits [B, T, vocab] for `input_ids` [B, T]; `logits_to_keep` (transformers' convention) limits them to
@@ -245,7 +214,9 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
 
         `labels` [B, T] (-100 = ignored) gives `loss`: the cross-entropy of each labelled token under the model's
         prediction convention (`shift`: logits at t - 1 predict token t, as transformers' causal LMs; `inplace`:
-        logits at t predict token t, as a masked LM on [MASK] inputs). Diffusion objectives: r2lm.diffusion."""
+        logits at t predict token t, as a masked LM on [MASK] inputs). Diffusion objectives: r2lm.diffusion.
+
+        `capture`: layer indices whose outputs come back as `hidden_states` (every column; R2LMModel.forward)."""
         if unsupported:
             raise TypeError(
                 f"R2LMForDiffusionLM.forward does not take {sorted(unsupported)}: it reads and writes an explicit "
@@ -273,7 +244,8 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
             self._check_cache(cache, input_ids)
         if plan is None:
             plan = self.model.plan(layout, cache, commit=layout.length if update_cache else 0)
-        h = self.model(input_ids, plan, cache).last_hidden_state
+        out = self.model(input_ids, plan, cache, capture=capture)
+        h = out.last_hidden_state
         if plan.commit:
             valid = plan.valid[:, : plan.commit] if plan.valid is not None else plan.commit
             cache.advance(valid)
@@ -283,7 +255,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
         loss = None if labels is None else self._loss(logits, labels)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutput(loss=loss, logits=logits, hidden_states=out.captured)
 
     def _check_labels(self, labels, input_ids, layout, logits_to_keep) -> None:
         if layout is not None:
@@ -379,8 +351,9 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         return trainable
 
 
-def _refuse_partial_load(info: dict, source, shown: int = 5) -> None:
-    """Raise if a checkpoint lacked weights the model has, or held weights it has no place for."""
+def refuse_partial_load(info: dict, source, shown: int = 5) -> None:
+    """Raise if a checkpoint lacked weights the model has, or held weights it has no place for (`info`: what
+    from_pretrained's output_loading_info gives)."""
     problems = []
     for keys, what in ((info["missing_keys"], "missing from the checkpoint (they would stay randomly initialised)"),
                        (info["unexpected_keys"], "in the checkpoint but not in the model its config describes")):

@@ -25,13 +25,14 @@ from test_merge_lora import make_adapter
 from test_train_helpers import REPO, make_model_dir, run_inprocess, run_overrides, training_inputs
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from r2lm import R2LMConfig
+from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import (
     LEGACY_MANIFEST,
     MANIFEST,
     DamagedCheckpointError,
     parameter_bytes,
     read_manifest,
+    seal,
     verify_checkpoint,
     writing,
 )
@@ -626,3 +627,44 @@ def test_the_next_run_removes_what_killed_writers_left(qwen3_src, tmp_path, paus
     live.send_signal(signal.SIGTERM)
     live.communicate(timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "earlier"]
+
+
+# ------------------------------------------------------------------------- issue 32: loaders verify checksums.sha256
+
+
+def flip_a_low_bit(path: Path) -> None:
+    """Silent corruption of a safetensors file: the lowest bit of one float in the middle of its data flipped. The
+    file stays valid and finite: only its checksum tells."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # the tensor data follows the 8-byte length and the JSON header
+    data[start + (len(data) - start) // 8 * 4] ^= 0x01  # a float32's least significant byte (little-endian)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("command", "damaged"), [
+    ("to-hf", "model.safetensors"), ("to-hybrid", "model.safetensors"), ("merge-lora", "model.safetensors"),
+    ("merge-lora", "adapter_model.safetensors"), ("from-hf", "model.safetensors"),
+])
+def test_weights_that_fail_their_checksums_are_refused(command, damaged, request, tmp_path, capsys):
+    """Before: the folders' checksums.sha256 existed but no loader read them; flipped tensor bytes loaded (merge-lora:
+    merged) without a word."""
+    conv = conversion(command, request).copied_to(tmp_path / "in")
+    for src in conv.sources:
+        seal(src)  # as r2lm writes its folders (conversions, training exports, adapters)
+    path = next(src / damaged for src in conv.sources if (src / damaged).is_file())
+    flip_a_low_bit(path)
+    assert main(conv.argv(tmp_path / "out")) == 2
+    assert (f"error: {path} is damaged: its sha256 differs from the one {path.parent / MANIFEST} lists"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
+
+
+def test_from_pretrained_verifies_checksums(r2lm_src, tmp_path):
+    folder = Path(shutil.copytree(r2lm_src, tmp_path / "m"))
+    seal(folder)
+    R2LMForDiffusionLM.from_pretrained(folder)  # intact: loads
+    flip_a_low_bit(folder / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'model.safetensors'} is damaged: its sha256 differs")):
+        R2LMForDiffusionLM.from_pretrained(folder)
+    (folder / MANIFEST).unlink()  # a folder without a manifest (a download, another program) is not checked
+    R2LMForDiffusionLM.from_pretrained(folder)

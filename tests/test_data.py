@@ -1,6 +1,8 @@
 """The data pipeline (train/data.py): sources, packing, held-out split, rank sharding, deterministic order."""
 
+import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -279,15 +281,70 @@ def test_streaming_heldout_documents_never_reach_training(tmp_path, tok, shuffle
     assert not trained & held and trained | held == set(range(39))
 
 
-@pytest.mark.parametrize("text", [None, 3, ["alpha", "beta"]], ids=["null", "number", "pair"])
+@pytest.mark.parametrize("text,kind", [(None, "null"), (3, "a number"), (["alpha", "beta"], "an array")],
+                         ids=["null", "number", "pair"])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_record_whose_text_is_not_a_string_is_named(tmp_path, tok, text, streaming):
+def test_a_record_whose_text_is_not_a_string_is_named(tmp_path, tok, text, kind, streaming):
     """The tokenizer would read a 2-list as a text pair ("alphabeta") and fail on null naming nothing."""
-    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine words"}) + "\n" + json.dumps({"text": text}) + "\n")
-    cfg = cfg_for(tmp_path, tmp_path / "a.jsonl", **{"data.streaming": str(streaming).lower(), "seq_len": 4})
-    with pytest.raises(ValueError, match=r"a document's text is \w+ .*, not a string"):
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"text": "fine words"}) + "\n" + json.dumps({"text": text}) + "\n")
+    cfg = cfg_for(tmp_path, data, **{"data.streaming": str(streaming).lower(), "seq_len": 4})
+    with pytest.raises(ValueError, match=rf"^{data}, line 2: its 'text' is {kind}, not a string$"):
         data = build(cfg, tok)
         data.train(0, 0)
+
+
+GOOD_RECORDS = "".join(json.dumps({"text": d}) + "\n" for d in corpus_paragraphs(30))
+
+
+@pytest.mark.parametrize("name,content,where", [
+    ("a.jsonl", '{"text": "a"}\n\n{"text": "b"} {"text": "c"}\n{"text": "d\n{"text": "e"}\n',
+     r"line 4: not JSON \(Unterminated string starting at: column 10\)"),
+    ("a.jsonl", '{"text": "a"}\n{"text": "b"},\n', r"line 2: not JSON \(Expecting value: column 14\)"),
+    ("a.jsonl", '{"text": "a"}\n42\n', r"line 2: holds a number, not an object \(a record\)"),
+    ("a.jsonl", b'{"text": "a"}\n{"text": "\xff"}\n', r"line 2: not UTF-8 text \(byte 0xff at column 11\)"),
+    ("a.json", '[{"text": "a"},\n {"text": }]\n', r"line 2: not JSON \(Expecting value: column 11\)"),
+], ids=["unterminated", "comma", "number", "not-utf8", "array"])
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("after", [False, True], ids=["alone", "after-a-good-file"])
+def test_a_bad_json_line_is_named_with_its_file_and_line(tmp_path, tok, name, content, where, streaming, after):
+    """Before: "DatasetGenerationError: An error occurred while generating the dataset" (in memory) or pyarrow's
+    "JSON parse error: Invalid value. in row 2" (streaming: rows count per block, and the file goes unnamed). A
+    stream meets a bad record of a later file only as training reaches it."""
+    bad = tmp_path / name
+    bad.write_bytes(content.encode() if isinstance(content, str) else content)
+    files = [tmp_path / "good.jsonl", bad] if after else [bad]
+    (tmp_path / "good.jsonl").write_text(GOOD_RECORDS)
+    cfg = cfg_for(tmp_path, f"[{', '.join(map(str, files))}]", **{"data.streaming": str(streaming).lower(),
+                                                                  "data.shuffle_buffer": 0, "seq_len": 4})
+    with pytest.raises(ValueError, match=rf"^{bad}, {where}$"):
+        data = build(cfg, tok)
+        for step in range(1000):
+            data.train(step, 0)
+
+
+def test_data_changes_name_new_gone_and_changed_files(tmp_path):
+    """What a resumed run compares (train/pretrain.py check_resume): a file touched without a change is unchanged."""
+    from train.data import data_changes, fingerprint
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (folder / name).write_text(f"the words of {name}\n")
+    files = resolve_source(str(folder)).files
+    record = fingerprint(files)
+    assert record[files[0]]["sha256"] == hashlib.sha256(b"the words of a.txt\n").hexdigest()
+    later = record[files[0]]["mtime_ns"] + 10**9
+    os.utime(files[0], ns=(later, later))  # touched (or copied): the same bytes
+    assert data_changes(record, files) == []
+    (folder / "b.txt").write_text("the words of B.txt\n")
+    os.utime(folder / "b.txt", ns=(later, later))
+    (folder / "c.txt").write_text("longer words of c.txt\n")
+    (folder / "a.txt").unlink()
+    (folder / "d.txt").write_text("new words\n")
+    assert data_changes(record, resolve_source(str(folder)).files) == [
+        f"{folder / 'b.txt'} changed (the same size, other content)", f"{folder / 'c.txt'} changed (19 bytes then, 22 now)",
+        f"{folder / 'd.txt'} is new", f"{folder / 'a.txt'} is gone"]
 
 
 def test_a_data_folder_skips_hidden_folders(tmp_path, tok):

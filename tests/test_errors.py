@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import MASK_ID, tiny_r2lm, tiny_r2lm_config
+
 from r2lm import Layout, R2LMConfig
 
 
@@ -46,6 +46,10 @@ from r2lm import Layout, R2LMConfig
         (dict(mask_token_id=-1), "mask_token_id -1 is outside the vocabulary"),
         (dict(qk_norm="yes"), "qk_norm must be true or false, got 'yes'"),
         (dict(hidden_act="swish2"), "hidden_act must be an activation name"),
+        # issue 32: a model whose [MASK] is its EOS or padding can never generate
+        (dict(eos_token_id=MASK_ID), f"mask_token_id {MASK_ID} is also the EOS token id \\({MASK_ID}\\)"),
+        (dict(eos_token_id=[2, MASK_ID]), f"mask_token_id {MASK_ID} is also the EOS token id \\(\\[2, {MASK_ID}\\]\\)"),
+        (dict(pad_token_id=MASK_ID), f"pad_token_id {MASK_ID} is also the mask token id: padding would read as"),
     ],
 )
 def test_bad_config(overrides, message):

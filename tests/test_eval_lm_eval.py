@@ -126,6 +126,60 @@ def test_cli_entry_point_runs_lm_eval(checkpoint, tmp_path):
     assert results and "r2lm_tiny_mc" in json.loads(results[0].read_text())["results"]
 
 
+# ---------------------------------------------------------------------------------- bad model_args
+
+
+@pytest.mark.parametrize("args,extra,message", [
+    ("greedy_check=maybe", {}, "greedy_check must be true or false, got 'maybe'"),
+    ("", {"batch_size": -2}, "batch_size must be a positive integer, got -2"),
+    ("", {"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+    ("mc_batch_size=0", {}, "mc_batch_size must be a positive integer, got 0"),
+    ("mc_num=0", {}, "mc_num must be a positive integer, got 0"),
+    ("block_size=0", {}, "block_size must be a positive integer, got 0"),
+    ("max_length=0", {}, "max_length must be a positive integer, got 0"),
+    ("max_length=513", {}, "max_length=513 is above the model's max_position_embeddings 512"),
+    ("mc_nun=8", {}, r"unknown r2lm model_args: mc_nun \(did you mean mc_num\?\); the backend takes .*mc_num"),
+    ("mode=diffusio", {}, r"mode must be one of \('auto', 'ar', 'diffusion'\), got 'diffusio'"),
+    ("threshold=1.5", {}, r"threshold must be a number in \(0, 1\], got 1.5"),
+    ("dtype=bfloat61", {}, "dtype must be auto or a torch dtype name"),
+    ("prefix_token_id=1000", {}, r"prefix_token_id=1000 is above the model's last token id \d+"),
+    ("seed=-1", {}, "seed must be an integer >= 0, got -1"),
+    ("pretrained={path}/missing", {}, "pretrained={path}/missing: no such folder"),
+    ("pretrained={path}/config.json", {}, "pretrained={path}/config.json is a file; give the R2LM checkpoint folder"),
+], ids=["greedy_check", "batch_size-2", "batch_size0", "mc_batch_size0", "mc_num0", "block_size0", "max_length0",
+        "max_length-above", "misspelt", "mode", "threshold", "dtype", "prefix_token_id", "seed", "missing", "file"])
+def test_a_bad_model_arg_is_named_before_the_model_loads(checkpoint, monkeypatch, args, extra, message):
+    """As lm-eval builds the backend from --model_args (and --batch_size). Before: an unknown greedy_check reported
+    is_greedy False for everything, batch_size=-2 returned None for every generation, the zeros became defaults, a
+    max_length above the model's was taken, a misspelt argument was only a warning, and a missing or file pretrained
+    gave transformers' "Repo id must be in the form"."""
+    from lm_eval.api.registry import get_model
+
+    import eval.likelihood
+    import eval.lm_eval_adapter  # noqa: F401  (registers "r2lm")
+
+    path = checkpoint(sidecar_layers=[1, 3])
+    monkeypatch.setattr(eval.likelihood, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    args = args.format(path=path)
+    if not args.startswith("pretrained="):
+        args = f"pretrained={path}" + (f",{args}" if args else "")
+    with pytest.raises(ValueError, match=message.format(path=path)):
+        get_model("r2lm").create_from_arg_string(args, {"device": "cpu", **extra})
+
+
+def test_good_model_args_in_lm_evals_spellings_are_taken(checkpoint):
+    from lm_eval.api.registry import get_model
+
+    import eval.lm_eval_adapter  # noqa: F401  (registers "r2lm")
+
+    path = checkpoint(sidecar_layers=[1, 3])
+    lm = get_model("r2lm").create_from_arg_string(
+        f"pretrained={path},greedy_check=false,mc_num=4,mc_batch_size=2,block_size=4,max_length=512,threshold=1,seed=3",
+        {"device": "cpu", "batch_size": "auto:4", "max_batch_size": 64})
+    assert (lm.greedy_check, lm.mc_num, lm.mc_batch_size, lm.block_size, lm.max_length, lm.threshold, lm.seed,
+            lm.gen_batch_size) == (False, 4, 2, 4, 512, 1.0, 3, 8)
+
+
 # ---------------------------------------------------------------------------------- as lm-eval's own hf model
 
 

@@ -202,6 +202,61 @@ def test_a_row_that_stops_early_does_not_dilute_tokens_per_step(verify):
         assert out.row_steps == out.new_tokens and out.tokens_per_step == 1.0
         assert out.nfe == out.steps and out.tokens_per_forward == 1.0  # the prompt goes in with the first step
 
+def stopping_token(new: torch.Tensor, block_size: int):
+    """A token that, taken as EOS, stops the rows of `new` [B, n] (their EOS-free generation) in at least two
+    different blocks, with one row still running after the first block that holds a stop; and each row's stop
+    (its first occurrence, + 1; n where it has none). A search over the tokens generated, asserted to succeed, so
+    the case under test occurs whatever the float rounding of the machine."""
+    n = new.shape[1]
+    for token in new.unique().tolist():
+        stops = [int(hits[0]) + 1 if len(hits := (row == token).nonzero()) else n for row in new]
+        blocks = [(s - 1) // block_size for s in stops]
+        if len(set(blocks)) > 1 and min(blocks) < (n - 1) // block_size:
+            return token, stops
+    raise AssertionError("no generated token stops the rows in different blocks")
+
+
+EVICTING = [(dict(R2LM), dict(threshold=0.6)), (dict(R2LM), dict(factor=1.0)), (dict(R2LM), dict(steps=24)),
+            (dict(R2LM), dict(threshold=0.6, use_cache=False)), (dict(BLOCK_CAUSAL), dict(threshold=0.6)),
+            (dict(HYBRID), dict(threshold=0.6)),
+            (dict(attention="bidirectional", sidecar_layers=[]), dict(steps=24)),
+            (dict(attention="bidirectional", sidecar_layers=[]), dict(steps=24, approximate_cache="dual")),
+            (dict(R2LM), dict(threshold=0.6, prefix_cache=True))]
+
+
+@pytest.mark.parametrize("kind, options", EVICTING, ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()))
+def test_finished_rows_leave_every_decoders_forwards(kind, options):
+    """Once a row has stopped (EOS) it leaves the forwards at the end of that block, in every decoder: each forward
+    computes only the rows still decoding, and every row's text is what it decodes alone."""
+    from r2lm.prefix import PrefixCache
+
+    model = peaky(**kind)
+    ids, mask = left_padded(batch=4, pads=(0, 3, 6, 1))
+    b, n = 4, 16
+
+    def run(ids, mask, **extra):
+        if options.get("prefix_cache"):  # a fresh prefix cache per call: every row misses, then fills it
+            extra["prefix_cache"] = PrefixCache(capacity_tokens=256)
+        return generate(model, ids, mask, max_new_tokens=n, block_size=b, pad_token_id=MASK_ID - 1,
+                        **{k: v for k, v in options.items() if k != "prefix_cache"}, **extra)
+
+    eos, stops = stopping_token(run(ids, mask, eos_token_id=[]).sequences[:, ids.shape[1]:], b)
+    rows, starts = [], []
+    hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(
+        (args[0] if args and args[0] is not None else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
+    try:
+        out = run(ids, mask, eos_token_id=eos, step_callback=lambda info: starts.append(info.start))
+    finally:
+        hook.remove()
+    alone = [run(ids[i : i + 1, mask[i].bool()], None, eos_token_id=eos).sequences[0, int(mask[i].sum()):]
+             for i in range(4)]
+    for row, stop in enumerate(stops):
+        assert torch.equal(out.sequences[row, ids.shape[1]:][:stop], alone[row][:stop]), row
+    running = [sum(stop > start for stop in stops) for start in starts]  # rows whose stop is not before the block
+    assert rows[-len(starts):] == running, (rows, running)
+    assert running[-1] < 4  # the case under test: rows left
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     model = peaky(**R2LM)
     ids, mask = left_padded()

@@ -3,16 +3,21 @@ coming from the checkpoint's generation_config.json; one prompt streams, several
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import platform
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import damage_weights, tiny_hf_config, tiny_tokenizer
-from test_train_helpers import make_model_dir
+from test_train_helpers import REPO, make_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from r2lm import R2LMForDiffusionLM
@@ -124,7 +129,7 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
     code, out, err = run([checkpoint, "--prompt", "x", "--threshold", "1.5"], capsys)
     assert code == 2 and "threshold must be in (0, 1], got 1.5" in err and out == ""
     code, out, err = run([checkpoint, "--prompt", "x", "--verify-draft", "lookup"], capsys)
-    assert code == 2 and "verify_draft sets how verify=True drafts; pass verify=True" in err and out == ""
+    assert code == 2 and "set how verify=True drafts; pass verify=True" in err and out == ""
     with pytest.raises(SystemExit) as exit_:
         main([str(checkpoint), "--prompt", "x", "--threshold", "0.5", "--steps", "4"])
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
@@ -168,3 +173,56 @@ def test_help_lists_the_options():
                    "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
                    "--compile", "--verify", "--verify-draft", "--verify-windows", "generation_config.json"):
         assert option in result.stdout, option
+
+
+def spawn(checkpoint, stdout: int) -> subprocess.Popen:
+    """r2lm-generate in a process of its own, its stdout the pipe end `stdout` (one prompt: its text is streamed)."""
+    argv = [sys.executable, "-m", "r2lm.cli.generate", str(checkpoint), "--prompt", PROMPTS[0]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_closed_stdout_ends_quietly_with_status_141(checkpoint):
+    """`r2lm-generate ... | head -c 1`, with the reader gone before the first write (so the write certainly fails: the
+    streamer's, inside model.generate). Before: a BrokenPipeError traceback, and another ("Exception ignored ...")
+    at exit."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = spawn(checkpoint, write)
+    os.close(write)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err
+
+
+WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}
+
+
+def writing_stdout(pid: int) -> bool:
+    """Whether the process's main thread is inside write(1, ...) (Linux: /proc/PID/syscall)."""
+    fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    return fields[:2] == [str(WRITE_SYSCALL[platform.machine()]), "0x1"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/syscall").exists() or platform.machine() not in WRITE_SYSCALL,
+                    reason="finds the process inside its stdout write through Linux's /proc/PID/syscall")
+def test_ctrl_c_while_generating_ends_quietly_with_status_130(checkpoint):
+    """Ctrl-C while the streamer writes the text, inside model.generate: its stdout is a pipe already full, so the
+    process certainly waits in that write when SIGINT comes, however fast the machine. Before: a KeyboardInterrupt
+    traceback (and death by the signal)."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)
+    os.write(write, b"x" * fcntl.fcntl(write, fcntl.F_GETPIPE_SZ))  # full: the process's first write waits
+    proc = spawn(checkpoint, write)
+    os.close(write)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not writing_stdout(proc.pid):
+        assert time.monotonic() < deadline, "r2lm-generate never wrote its text"
+        time.sleep(0.05)
+    assert proc.returncode is None, proc.stderr.read()  # still running, in its first write of the text
+    proc.send_signal(signal.SIGINT)
+    with os.fdopen(read, "rb") as out:  # drain it, so that the exit's flush of stdout does not wait as well
+        out.read()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err

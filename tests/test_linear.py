@@ -1,6 +1,6 @@
-"""r2lm.ops.linear: the CPU decode fast path computes F.linear's product (up to float rounding) and is taken only
-where it was measured faster: without autograd, float32 on CPU, at most FEW_ROWS rows (2 to SMALL_WEIGHT_ROWS for
-weights of at most SMALL_WEIGHT elements)."""
+"""r2lm.ops.linear: the transposed order computes F.linear's product (up to float rounding); it is considered only
+without autograd, float32 on CPU, at most FEW_ROWS rows, and taken only for a shape class that measured faster in
+this process (every call returns the reference's product until its class is decided)."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm.layers.linear import Linear
-from r2lm.ops.linear import FEW_ROWS, SMALL_WEIGHT, SMALL_WEIGHT_ROWS, linear
+from r2lm.ops import linear as ops_linear
+from r2lm.ops.linear import FEW_ROWS, TRIALS, decisions, forced, forget, linear, transposed
 
 
 class MatrixProducts(TorchDispatchMode):
@@ -25,45 +26,92 @@ class MatrixProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_measurements():
+    forget()  # each test measures from scratch
+    yield
+    forget()
+
+
+@pytest.mark.parametrize("order", ["transposed", "reference", "measured"])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 5), (2, 8), (1, FEW_ROWS), (FEW_ROWS + 1,), (2, 40)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_is_f_linear(shape, bias):
+def test_linear_is_f_linear(shape, bias, order):
     g = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(SMALL_WEIGHT // 24 + 1, 24, generator=g), torch.randn(*shape, 24, generator=g)
+    weight, x = torch.randn(200, 24, generator=g), torch.randn(*shape, 24, generator=g)
     b = torch.randn(weight.shape[0], generator=g) if bias else None
     with torch.no_grad():
-        out = linear(x, weight, b)
-    assert out.shape == (*shape, weight.shape[0])
-    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        if order == "measured":  # every call: the trials, then the decided order
+            outs = [linear(x, weight, b) for _ in range(2 * TRIALS + 2)]
+        else:
+            with forced(order):
+                outs = [linear(x, weight, b)]
+    for out in outs:
+        assert out.shape == (*shape, weight.shape[0])
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
 def multiplied_by_the_weight(x, weight, grad: bool) -> bool:
-    """Whether the product was computed as weight @ x^T (the fast path) rather than x @ weight^T."""
+    """Whether the product was computed as weight @ x^T (the transposed order) rather than x @ weight^T."""
     counter = MatrixProducts()
     with torch.set_grad_enabled(grad), counter:
         linear(x, weight)
     return counter.firsts[0] == tuple(weight.shape)
 
 
-def test_the_fast_path_is_taken_only_where_it_was_measured_faster():
-    weight = torch.randn(SMALL_WEIGHT // 24 + 1, 24)
-    assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
-    assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
-    assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
-    assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
-    assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
-    small = weight[: SMALL_WEIGHT // 24]  # a weight that may sit in the cache: F.linear at 1 row and many rows
-    assert not multiplied_by_the_weight(torch.randn(1, 1, 24), small, grad=False)
-    assert multiplied_by_the_weight(torch.randn(1, 2, 24), small, grad=False)
-    assert multiplied_by_the_weight(torch.randn(1, SMALL_WEIGHT_ROWS, 24), small, grad=False)
-    assert not multiplied_by_the_weight(torch.randn(1, SMALL_WEIGHT_ROWS + 1, 24), small, grad=False)
+def test_the_transposed_order_is_considered_only_for_few_rows_without_autograd_in_float32():
+    weight = torch.randn(200, 24)
+    with forced("transposed"):
+        assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
+        assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
+        assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
+
+
+@pytest.mark.parametrize("fast_us, slow_us, expected", [(50.0, 100.0, "transposed"), (100.0, 50.0, "F.linear"),
+                                                         (100.0, 100.0, "F.linear")])  # a tie keeps the reference
+def test_each_class_is_decided_by_its_trials_and_returns_the_reference_until_then(monkeypatch, fast_us, slow_us,
+                                                                                   expected):
+    """A shape class (rows, weight shape, threads) times each order TRIALS times, returning F.linear's product
+    meanwhile (a forward's values never depend on a timing in progress); then the faster median decides, the
+    transposed order only by MARGIN. The timer is scripted, so the decision is known whatever this machine's speed."""
+    weight, x = torch.randn(200, 24), torch.randn(1, 3, 24)
+    ticks, timing = iter(range(10**6)), {"transposed": False}
+
+    def clock():  # start / stop pairs: a call's duration is the one scripted for the order it timed
+        if next(ticks) % 2 == 0:
+            timing["transposed"] = False
+            return 0.0
+        return 1e-6 * (fast_us if timing["transposed"] else slow_us)
+
+    def timed_transposed(*args):
+        timing["transposed"] = True
+        return transposed(*args)
+
+    monkeypatch.setattr(ops_linear.time, "perf_counter", clock)
+    monkeypatch.setattr(ops_linear, "transposed", timed_transposed)
+    with torch.no_grad():
+        for _ in range(2 * TRIALS):
+            assert decisions() == []
+            counter = MatrixProducts()
+            with counter:
+                linear(x, weight)
+            assert counter.firsts[-1] != tuple(weight.shape)  # the product returned is the reference's
+    monkeypatch.undo()
+    (decision,) = decisions()
+    assert decision["rows"] == 3 and decision["weight"] == [200, 24] and decision["order"] == expected
+    assert (decision["transposed_us"], decision["f_linear_us"]) == (fast_us, slow_us)
+    with torch.no_grad():
+        assert multiplied_by_the_weight(x, weight, grad=False) == (expected == "transposed")
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=False)  # another class: a trial
 
 
 def test_a_column_major_input_is_multiplied_as_rows():
     """The fast path's own output is a column-major view; fed to the next product (the MLP's down_proj), it is
     copied into rows first, so W @ x^T gets the right-hand side layout MKL is fast with (x^T column-major)."""
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(SMALL_WEIGHT // 24 + 1, 24, generator=g)
+    weight = torch.randn(200, 24, generator=g)
     x = torch.randn(24, 4, generator=g).t()[None]  # [1, 4, 24], column-major
     seen = []
 
@@ -73,18 +121,18 @@ def test_a_column_major_input_is_multiplied_as_rows():
                 seen.append(args[1].stride())
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), Operands():
+    with torch.no_grad(), forced("transposed"), Operands():
         out = linear(x, weight)
     assert seen == [(1, 24)]  # x^T [24, 4] column-major: x's rows contiguous
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_autocast_and_other_dtypes_keep_f_linear():
-    weight, x = torch.randn(SMALL_WEIGHT // 24 + 1, 24), torch.randn(1, 3, 24)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    weight, x = torch.randn(200, 24), torch.randn(1, 3, 24)
+    with torch.no_grad(), forced("transposed"), torch.autocast("cpu", dtype=torch.bfloat16):
         for bias in (None, torch.randn(weight.shape[0])):
             assert linear(x, weight, bias).dtype == F.linear(x, weight, bias).dtype == torch.bfloat16
-    with torch.no_grad(), pytest.raises(RuntimeError):  # F.linear's refusal of a bias of another dtype
+    with torch.no_grad(), forced("transposed"), pytest.raises(RuntimeError):  # F.linear's refusal of another dtype
         linear(x, weight, torch.randn(weight.shape[0], dtype=torch.float64))
 
 
@@ -101,33 +149,31 @@ def test_the_layer_keeps_nn_linear_parameters_and_gradients():
 
 @pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
                                                                     hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
-def test_decoding_through_the_fast_path_keeps_the_cache_exact(monkeypatch, kind):
-    """A tiny model's weights sit under SMALL_WEIGHT and keep F.linear but at 2-4 rows. Forced onto the fast path
-    at every row count, the transposed
-    views it returns flow through attention, the KV cache, the sidecars and the LM head: cached decoding still
-    equals the full recompute (invariant 2), and verify=True still equals AR decoding with sidecars off."""
+def test_decoding_through_the_transposed_order_keeps_the_cache_exact(kind):
+    """Forced onto the transposed order at every row count, the column-major views it returns flow through
+    attention, the KV cache, the sidecars and the LM head: cached decoding still equals the full recompute
+    (invariant 2), and verify=True still equals AR decoding with sidecars off."""
     from conftest import tiny_r2lm
 
     from r2lm import generate
     from r2lm.convert.to_hf import without_sidecars
-    from r2lm.ops import linear as ops_linear
 
-    monkeypatch.setattr(ops_linear, "SMALL_WEIGHT", 0)
     model = tiny_r2lm(seed=0, open_gates=True, **kind)
     with torch.no_grad():
         model.lm_head.weight.mul_(50)  # sharp distributions: several tokens per step
     ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
     ids[:, -3:] = ids[:, 1:4]  # a repeated span: prompt lookup has drafts to offer
     counter = MatrixProducts()
-    with counter:
-        cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
-    assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the fast path
-    assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
-                                                  use_cache=False).sequences)
-    assert cached.steps < 12  # several tokens per step: the window forwards are exercised
-    if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
-        ar = generate(without_sidecars(model), ids, max_new_tokens=12, block_size=1, eos_token_id=[]).sequences
-        for draft in ("window", "lookup"):
-            out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
-                           eos_token_id=[])
-            assert torch.equal(out.sequences, ar)
+    with forced("transposed"):
+        with counter:
+            cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
+        assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the transposed order
+        assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
+                                                      use_cache=False).sequences)
+        assert cached.steps < 12  # several tokens per step: the window forwards are exercised
+        if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
+            ar = generate(without_sidecars(model), ids, max_new_tokens=12, block_size=1, eos_token_id=[]).sequences
+            for draft in ("window", "lookup"):
+                out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
+                               eos_token_id=[])
+                assert torch.equal(out.sequences, ar)

@@ -1,17 +1,19 @@
 """Issue 14 (a careless user): loading, the prefix cache, r2lm-generate and the lm-eval adapter refuse bad
 input clearly and leave nothing behind."""
 
+import copy
 import json
 import re
 
 import pytest
 import torch
 from conftest import MASK_ID, VOCAB, tiny_r2lm, tiny_r2lm_config
+from peft import LoraConfig, get_peft_model
 
 from r2lm import R2LMForDiffusionLM, generate
-from r2lm.cache import weight_fingerprint
 from r2lm.cli.generate import main as generate_cli
 from r2lm.prefix import PrefixCache
+from r2lm.prefix.identity import tensor_digests
 
 # ------------------------------------------------------------------------------------------ item 7: strict loading
 
@@ -91,21 +93,118 @@ def test_prefix_cache_refuses_a_model_with_other_weights():
     assert cache.stats.hit_tokens == 20
 
 
-def test_weight_fingerprint_follows_the_weights(tmp_path):
+def test_tensor_digests_follow_every_bit_of_the_weights(tmp_path):
     model = tiny_r2lm(sidecar_layers=[1])
-    first = weight_fingerprint(model)
-    assert weight_fingerprint(model) == first  # memoised
+    first = tensor_digests(model)
+    assert tensor_digests(model) == first
     model.save_pretrained(tmp_path / "m")
-    assert weight_fingerprint(R2LMForDiffusionLM.from_pretrained(tmp_path / "m")) == first  # a reload is the same model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(prompt_ids(8, seed=0)).logits.sum().backward()
-    optimizer.step()  # written in place: the version counters move
-    stepped = weight_fingerprint(model)
-    assert stepped != first
+    assert tensor_digests(R2LMForDiffusionLM.from_pretrained(tmp_path / "m")) == first  # a reload is the same model
+    weight = model.model.layers[2].mlp.down_proj.weight
+    for flip in (1, 1 << 31):  # the lowest mantissa bit, and the sign, of one value
+        word = weight.data.view(torch.int32).view(-1)
+        word[77] ^= flip  # through .data: no version counter moves
+        changed = tensor_digests(model)
+        assert {k for k in first if changed[k] != first[k]} == {"model.layers.2.mlp.down_proj.weight"}
+        word[77] ^= flip
+        assert tensor_digests(model) == first
+    with torch.no_grad():  # two rows swapped: every value is still there, in other places
+        rows = model.model.embed_tokens.weight
+        rows[[3, 4]] = rows[[4, 3]]
+    assert tensor_digests(model)["model.embed_tokens.weight"] != first["model.embed_tokens.weight"]
+    assert tensor_digests(model.to(torch.float64)) != tensor_digests(model.to(torch.float32))
+
+
+# ------------------------------------------------------------------- issue 32: the model a PrefixCache serves
+
+def served(model, cache, prompt):
+    return generate(model, prompt, max_new_tokens=4, prefix_cache=cache, eos_token_id=[]).sequences
+
+
+def lora_merged(model):
+    """`model` after peft adds a LoRA to its q/v projections (B non-zero: as after training) and merges it in."""
+    peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
-        model.model.layers[1].sidecar.gate.fill_(0.5)  # one scalar: every tensor is sampled
-    assert weight_fingerprint(model) not in (first, stepped)
-    assert weight_fingerprint(model.to(torch.float64)) != weight_fingerprint(model.to(torch.float32))
+        for name, param in peft.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.2)
+    merged = peft.merge_and_unload()
+    assert merged is model  # the same object, its weights changed in place
+    return merged
+
+
+def through_data(model):
+    model.model.layers[3].mlp.up_proj.weight.data[5].add_(0.5)  # no version counter moves
+    return model
+
+
+def one_row(model):
+    with torch.no_grad():
+        model.model.embed_tokens.weight[2] += 0.05  # a row the old 64-value sample did not read
+    return model
+
+
+def another_object(model):
+    other = copy.deepcopy(model)
+    return one_row(other)
+
+
+def reloaded_with(**fields):
+    def reload(model, folder):
+        model.save_pretrained(folder)
+        return R2LMForDiffusionLM.from_pretrained(folder, **fields).eval()
+    return reload
+
+
+CHANGES = {
+    "merge_and_unload": (lora_merged, "other weights (model.layers.0.self_attn.q_proj.weight, "),
+    ".data write": (through_data, "other weights (model.layers.3.mlp.up_proj.weight differ)"),
+    "one row in place": (one_row, "other weights (model.embed_tokens.weight differ)"),
+    "another object, one row": (another_object, "other weights (model.embed_tokens.weight differ)"),
+    "rms_norm_eps": (reloaded_with(rms_norm_eps=1e-3), "a different configuration (rms_norm_eps 1e-06 vs 0.001)"),
+    "hidden_act": (reloaded_with(hidden_act="gelu"), "a different configuration (hidden_act 'silu' vs 'gelu')"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_prefix_cache_refuses_a_changed_model(change, tmp_path):
+    """Before: the cache recognised a model by 64 sampled values per tensor (re-read only when a version counter
+    moved) and part of its config, and served the old model's keys: logits off by up to 1.09 in the soak."""
+    model, prompt = tiny_r2lm(seed=0, open_gates=True, sidecar_layers=[1]), prompt_ids(21, seed=0)
+    cache = PrefixCache(4096, block_tokens=4)
+    served(model, cache, prompt)
+    make, difference = CHANGES[change]
+    changed = make(model, tmp_path / "m") if change in ("rms_norm_eps", "hidden_act") else make(model)
+    with pytest.raises(ValueError, match=re.escape(f"this PrefixCache holds keys and values computed by a model with "
+                                                   f"{difference}")):
+        served(changed, cache, prompt)
+    assert cache.stats.hit_tokens == 0  # the refused request read nothing
+    cache.clear()  # bound anew, to the changed model: its own keys are served
+    served(changed, cache, prompt)
+    served(changed, cache, prompt)
+    assert cache.stats.hit_tokens == 20
+
+
+def test_a_prefix_cache_serves_the_same_weights_in_another_object(tmp_path):
+    model, prompt = tiny_r2lm(seed=0, sidecar_layers=[1]), prompt_ids(21, seed=0)
+    cache = PrefixCache(4096, block_tokens=4)
+    served(model, cache, prompt)
+    served(reloaded_with()(model, tmp_path / "m"), cache, prompt)
+    served(copy.deepcopy(model), cache, prompt)
+    assert cache.stats.hit_tokens == 40
+
+
+def test_a_bicache_refuses_a_model_changed_through_data():
+    from r2lm.prefix import BiCache, SafeDepthTable
+
+    model = tiny_r2lm(attention="bidirectional", sidecar_layers=[], prediction="inplace")
+    store, prefix = BiCache(SafeDepthTable([0.0], [2], 4, tau=0.9, quantile=0.0)), prompt_ids(12, seed=0)[0]
+    store.add(model, prefix)
+    through_data(model)
+    with pytest.raises(ValueError, match=re.escape("this BiCache holds keys and values computed by a model with other "
+                                                   "weights (model.layers.3.mlp.up_proj.weight differ)")):
+        store.add(model, prefix)
+    store.clear()
+    assert store.add(model, prefix).length == 12
 
 
 # ------------------------------------------------------------------------ item 8: a failed prefill pins nothing

@@ -55,13 +55,48 @@ def test_records_are_prompt_plus_the_teachers_continuation(inputs, tmp_path):
     for rec, ids in zip(got, [ids for ids in encode(tokenizer, paragraphs) if len(ids) >= PROMPT_TOKENS], strict=False):
         prompt = torch.tensor([ids[:PROMPT_TOKENS]])
         new = generate(model, prompt, max_new_tokens=16, eos_token_id=tokenizer.eos_token_id).sequences[0, PROMPT_TOKENS:]
-        new = new.tolist()[: new.tolist().index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new.tolist()
-        assert rec["text"] == tokenizer.decode(ids[:PROMPT_TOKENS]) + tokenizer.decode(new, skip_special_tokens=True)
-        assert rec["prompt_tokens"] == PROMPT_TOKENS and rec["new_tokens"] == len(new)
+        new = new.tolist()[: new.tolist().index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in new else new.tolist()
+        ended = rec["finished"]
+        assert ended == (new[-1] == tokenizer.eos_token_id)
+        assert rec["ids"] == ids[:PROMPT_TOKENS] + new  # the tokens as generated, EOS included
+        assert rec["text"] == tokenizer.decode(ids[:PROMPT_TOKENS]) + tokenizer.decode(new[: len(new) - ended],
+                                                                                         skip_special_tokens=True)
+        assert rec["prompt_tokens"] == PROMPT_TOKENS and rec["new_tokens"] == len(new) - ended
     # the training pipeline reads the file as it is: one document per record
     docs = load_documents(resolve_source(str(out)), DataConfig(train=str(out)), streaming=False)
     assert list(docs["text"]) == [r["text"] for r in got]
     assert resolve_source(str(tmp_path)).files == [str(out)]  # the settings file beside it is no data file
+
+
+CHATML = ("{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}")
+
+
+def test_chat_prompts_go_through_the_chat_template(inputs, tmp_path):
+    """--chat: each document is a user turn; the record's ids start with the template's tokens (its special tokens
+    real ones, not spelled out), and a tokenizer without a template is refused before the teacher loads."""
+    root, model_dir, _ = inputs
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"conv{i}", "text": t}) + "\n"
+                               for i, t in enumerate(["the quick brown fox", "a lazy dog"])))
+    args = ["--teacher", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "8", "--batch-size", "2", "--chat",
+            "--id-field", "id"]
+    with pytest.raises(ValueError, match="no chat template"):
+        run(*args, "--out", str(tmp_path / "none.jsonl"))
+    chat_model = tmp_path / "chat_model"
+    shutil.copytree(model_dir, chat_model)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(chat_model)
+    args[1] = str(chat_model)
+    assert run(*args, "--out", str(tmp_path / "chat.jsonl")) == 2
+    for rec, text in zip(records(tmp_path / "chat.jsonl"), ["the quick brown fox", "a lazy dog"], strict=True):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        expected = tokenizer(rendered, add_special_tokens=False).input_ids
+        assert rec["ids"][: rec["prompt_tokens"]] == expected and rec["prompt_tokens"] == len(expected)
+        assert expected.count(tokenizer.pad_token_id) == 2  # <|pad|> as one special token, twice
+    assert [rec["id"] for rec in records(tmp_path / "chat.jsonl")] == ["conv0", "conv1"]  # --id-field, kept
 
 
 def test_sampling_is_deterministic_for_a_seed(inputs, tmp_path):

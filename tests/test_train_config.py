@@ -43,7 +43,7 @@ def test_unknown_keys_are_named_with_suggestions(tmp_path):
     [
         ("steps=ten", "config key steps must be int, got 'ten'"),
         ("freeze_backbone=3", "config key freeze_backbone must be bool"),
-        ("objective=gpt", r"config key objective must be one of \('ar', 'mdlm', 'block', 'certainty', 'attention_transfer'\), got 'gpt'"),
+        ("objective=gpt", r"config key objective must be one of \('ar', 'mdlm', 'block', 'certainty', 'attention_transfer', 'drafter'\), got 'gpt'"),
         ("data=3", "config key data must be a mapping"),
         ("seq_len=0", "seq_len must be positive"),
         ("stop_at=2000", r"stop_at must be in \[1, steps=1000\]"),

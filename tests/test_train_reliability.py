@@ -4,6 +4,7 @@ damaged checkpoints, one run per output_dir, training data errors, file permissi
 In-process single-rank runs (real DeepSpeed ZeRO engine); the lock across the ranks of one launch goes through the
 real deepspeed launcher (slow), the quickstart's lock through the real script."""
 
+import hashlib
 import json
 import os
 import re
@@ -114,11 +115,20 @@ def test_resume_refuses_another_model(stopped_run, inputs, tmp_path):
 # ---------------------------------------------------------------------------------------------- 5: divergence
 
 
+def model_states(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def largest_weight(state: dict) -> float:
+    return max(float(v.abs().max()) for v in state.values())
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_divergence_stops_before_the_bad_update(inputs, tmp_path, monkeypatch, stage):
     """lr 1e9: step 1 sends the weights to ~1e9 and step 2's gradients overflow. Whatever the ZeRO stage does with such
-    a step (stage 0 applies it, then saves NaN weights), the run stops before that update, and the checkpoint it
-    names holds finite weights equal to the engine's: those before the bad step."""
+    a step (stage 0 applies it, then saves NaN weights), the run stops before that update; the checkpoint of step 1
+    holds the engine's finite weights, but exploded ones, so the run names no good checkpoint but the model (before:
+    it named step-00000001 as the last good one)."""
     ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
     ds["zero_optimization"] = {"stage": stage}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
@@ -127,15 +137,64 @@ def test_divergence_stops_before_the_bad_update(inputs, tmp_path, monkeypatch, s
     monkeypatch.setattr(train.pretrain, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1])
     out = tmp_path / "diverge"
     with pytest.raises(NonFiniteLossError, match=r"non-finite gradient \(inf or NaN\) at step 2, before its update.*"
-                                                 r"last good checkpoint is \S*step-00000001"):
+                                                 r"the last good checkpoint is none \(step-00000001 was saved as the "
+                                                 rf"run diverged\): start again from the model {inputs[1]} with a lower lr"):
         run_inprocess(overrides(inputs, out, "lr=1.0e9", "warmup_steps=0", "save_every=1", "eval_every=0",
                                 f"deepspeed={tmp_path / 'ds.json'}"))
-    saved = torch.load(out / "checkpoints" / "step-00000001" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    saved = model_states(out / "checkpoints" / "step-00000001")
     engine = engines[0].module.state_dict()
     assert all(torch.isfinite(v).all() for v in saved.values())
-    assert max(float(v.abs().max()) for v in saved.values()) > 1e6  # step 1 did move the weights
+    assert largest_weight(saved) > 1e6  # step 1 did move the weights
     assert saved.keys() == engine.keys() and all(torch.equal(saved[k], engine[k]) for k in saved)
     RunLock(out).release()  # the failed run let go of its output_dir
+
+
+def test_the_named_checkpoint_predates_the_divergence(inputs, tmp_path, monkeypatch):
+    """Three steps at the tiny run's lr, then one a trillion times larger: step 4's update explodes the weights (which
+    checkpoint 4 saves, finite) and step 5 overflows. The run names checkpoint 3, whose weights are the sane ones, and
+    keep_checkpoints=1 did not delete it. Before: it named step-00000004 as the last good checkpoint, and step 3 was
+    gone. (No config key makes the learning rate jump; the schedule is replaced so that the step the run diverges
+    at does not depend on a CPU's rounding.)"""
+    schedule = train.pretrain.lr_factor
+    monkeypatch.setattr(train.pretrain, "lr_factor", lambda step, cfg: schedule(step, cfg) * (1.0 if step < 3 else 1e15))
+    out = tmp_path / "diverge"
+    good, bad = out / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000004"
+    with pytest.raises(NonFiniteLossError, match=rf"at step 5.*: stopping without saving; the last good checkpoint is "
+                                                 rf"{good} \(the newer step-00000004 was saved as the run diverged; .*"
+                                                 rf"deepspeed-to-hf {good} DST\)"):
+        run_inprocess(overrides(inputs, out, "steps=8", "save_every=1", "keep_checkpoints=1", "eval_every=0"))
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [3, 4]
+    from safetensors.torch import load_file
+
+    start = largest_weight(load_file(inputs[1] / "model.safetensors"))
+    assert largest_weight(model_states(good)) < 2 * start  # three small steps from the start
+    assert largest_weight(model_states(bad)) > 1e6 * start
+    assert read_state(bad)["guard"]["good"] == good.name
+    RunLock(out).release()
+
+
+def test_a_checkpoint_counts_as_good_once_the_step_after_it_is_sane():
+    """The guard's verdicts, step by step: a checkpoint is confirmed by the next step's loss, never after an
+    exploded one; a resumed run keeps the good checkpoint its checkpoint recorded."""
+    from train.guard import EXPLODED, DivergenceGuard
+
+    guard = DivergenceGuard(Path("model"))
+    guard.step_done(1, 5.0)
+    guard.saved(Path("ckpt/step-00000001"))
+    assert guard.good is None  # not confirmed yet
+    guard.step_done(2, 4.0)
+    assert guard.good == Path("ckpt/step-00000001") and guard.pending is None
+    guard.saved(Path("ckpt/step-00000002"))
+    guard.step_done(3, 5.0 * EXPLODED + 1)  # finite, but exploded: step 2's weights are not good
+    guard.saved(Path("ckpt/step-00000003"))
+    guard.step_done(4, 3.0)  # nothing after an explosion counts
+    assert guard.good == Path("ckpt/step-00000001") and guard.pending == Path("ckpt/step-00000003")
+    assert guard.state() == {"good": "step-00000001", "first_loss": 5.0, "exploded_at": 3}
+    assert "the newer step-00000003 was saved as the run diverged, the loss exploding since step 3" in str(guard.error("x"))
+    small = DivergenceGuard(Path("model"))
+    small.step_done(1, 0.01)  # a small first loss (attention transfer's MSE): a rise to 9 is not an explosion
+    small.step_done(2, 0.5 * EXPLODED)
+    assert small.exploded_at is None
 
 
 # ---------------------------------------------------------------------------------------------- 6: damaged checkpoints
@@ -187,13 +246,35 @@ def test_damaged_checkpoint_named_by_resume_is_refused(checkpointed, inputs, tmp
         run_inprocess(overrides(inputs, out, "save_every=2"))
 
 
-def test_checkpoint_without_manifest_resumes_with_a_warning(checkpointed, inputs, tmp_path, caplog):
+def test_checkpoint_without_manifest_is_refused_unless_asked(checkpointed, inputs, tmp_path, caplog):
+    """Before: a checkpoint whose manifest was deleted resumed with only a warning."""
     full, part = checkpointed
     out = copy_run(part, tmp_path / "run")
-    (out / "checkpoints" / "step-00000004" / MANIFEST).unlink()  # as written by an older r2lm
-    run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0"))
+    ckpt = out / "checkpoints" / "step-00000004"
+    (ckpt / MANIFEST).unlink()  # deleted, or as written by an older r2lm
+    before = listing(out)
+    with pytest.raises(ValueError, match=rf"checkpoint {ckpt} has no {MANIFEST} \(deleted, or written by an r2lm before "
+                                         rf"manifests\), so its files cannot be checked .*: restore {ckpt / MANIFEST}, "
+                                         "or give resume_unverified=true to resume from it unchecked"):
+        run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0"))
+    assert listing(out) == before  # nothing written, nothing pruned
+    run_inprocess(overrides(inputs, out, "save_every=2", "eval_every=0", "resume_unverified=true"))
     assert any(f"step-00000004 has no {MANIFEST}" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert history(out) == history(full)
+
+
+def test_a_resumed_run_knows_the_good_checkpoint(checkpointed):
+    """Checkpoint 4 recorded checkpoint 2 as good (step 3 confirmed it): a run resumed from 4 names 2 if it diverges
+    at once, and 4 only once a step has confirmed it."""
+    from train.guard import DivergenceGuard
+
+    _, part = checkpointed
+    root = part / "checkpoints"
+    guard = DivergenceGuard.resumed(Path("model"), root / "step-00000004", read_state(root / "step-00000004"))
+    assert guard.good == root / "step-00000002" and guard.pending == root / "step-00000004"
+    assert f"the last good checkpoint is {root / 'step-00000002'} (the newer step-00000004" in str(guard.error("x"))
+    guard.step_done(5, 1.0)
+    assert guard.good == root / "step-00000004"
 
 
 def test_manifest_covers_every_file_in_sha256sum_format(checkpointed, tmp_path):
@@ -433,6 +514,45 @@ def test_run_failing_the_data_checks_writes_nothing(stopped_run, inputs, tmp_pat
     with pytest.raises(ValueError, match="yields no complete sequence"):
         run_inprocess(overrides(inputs, existing, bad_data))
     assert listing(existing) == before
+
+
+def test_data_changed_since_the_checkpoint_is_refused_naming_the_file(inputs, tmp_path, caplog):
+    """Exact resume replays the batches of the data as it was; before, a changed data file went unnoticed. A file
+    touched or copied without a change (its sha256 the same) resumes; resume_data_changed=true continues on the new
+    data, with a warning, and the next checkpoint records it."""
+    data = tmp_path / "train.txt"
+    text = inputs[2].read_text()
+    data.write_text(text)
+    out = tmp_path / "run"
+    items = [i for i in overrides(inputs, out, "eval_every=0", "save_every=1") if not i.startswith("data.train=")]
+    items.append(f"data.train={data}")
+    run_inprocess([*items, "stop_at=3"])
+    ckpt = out / "checkpoints" / "step-00000003"
+    assert read_state(ckpt)["data_files"]["data.train"][str(data)]["size"] == len(text)
+    before = listing(out)
+    mtimes = iter(range(read_state(ckpt)["data_files"]["data.train"][str(data)]["mtime_ns"] + 10**9, 2**63, 10**9))
+
+    def rewrite(content: str) -> None:  # with a modification time certainly not one seen before
+        data.write_text(content)
+        later = next(mtimes)
+        os.utime(data, ns=(later, later))
+
+    for changed, how in [(text + "one more paragraph\n", rf"\({len(text)} bytes then, {len(text) + 19} now\)"),
+                         (text.replace("fox", "cat", 1), r"\(the same size, other content\)")]:
+        rewrite(changed)
+        with pytest.raises(ValueError, match=rf"checkpoint {ckpt} was saved with other data: data.train file {data} "
+                                             rf"changed {how}\. Exact resume .*: restore it, or give "
+                                             "resume_data_changed=true"):
+            run_inprocess(items)
+        assert listing(out) == before
+    rewrite(text)  # the same bytes, another modification time
+    assert run_inprocess([*items, "stop_at=4"]).step == 4
+    rewrite(text.replace("fox", "cat", 1))
+    assert run_inprocess([*items, "resume_data_changed=true"]).step == 6
+    assert any(f"continuing on changed data (resume_data_changed=true): data.train file {data} changed" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    recorded = read_state(out / "checkpoints" / "step-00000006")["data_files"]["data.train"][str(data)]
+    assert recorded["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- 16: permissions

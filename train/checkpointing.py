@@ -16,10 +16,12 @@ from r2lm.checkpoints.training import begin_save, finish_save, read_state, tag_o
 logger = logging.getLogger(__name__)
 
 
-def save(engine, root: Path, step: int, state: dict, write_extras, rank: int, barrier, keep: int = 0) -> Path:
+def save(engine, root: Path, step: int, state: dict, write_extras, rank: int, barrier, keep: int = 0,
+         protect: Path | None = None) -> Path:
     """Save a complete checkpoint of `engine` after `step` optimizer steps; collective (every rank calls it).
 
-    write_extras(folder): rank 0 writes the model config and tokenizer there before the rename."""
+    write_extras(folder): rank 0 writes the model config and tokenizer there before the rename. Pruning beyond
+    `keep` spares `protect` (the run's last good checkpoint, train/guard.py)."""
     root = Path(root)
     tmp_tag = temporary_tag(step)
     if rank == 0:
@@ -29,7 +31,7 @@ def save(engine, root: Path, step: int, state: dict, write_extras, rank: int, ba
     barrier()
     if rank == 0:
         write_extras(root / tmp_tag)
-        finish_save(root, step, state, keep)
+        finish_save(root, step, state, keep, protect)
     barrier()
     final = root / tag_of(step)
     logger.info("saved checkpoint %s", final)

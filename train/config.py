@@ -75,6 +75,34 @@ class CertaintySection:
 
 
 @dataclass
+class DrafterSection:
+    layers: int = opt(1, "objective drafter: decoder layers of the drafter (of the target's width)")
+    in_block: str = opt("bidirectional", "objective drafter: attention inside the drafted block",
+                        choices=("bidirectional", "causal"))
+    sidecar: bool = opt(False, "objective drafter: a reverse Mamba sidecar over the block on every drafter layer "
+                        "(right-side context inside the block)")
+    block_size: int = opt(8, "objective drafter: the draft length b (tokens drafted per verification)")
+    feature_layers: Any = opt(None, "objective drafter: the target layers whose outputs it reads (default: five, from "
+                              "the first to the last, evenly spaced)", kind=list)
+    draft_vocab_size: int = opt(8192, "objective drafter: it drafts from this many of the tokens most frequent in the "
+                                "training replies (0: the whole vocabulary); a smaller LM head costs less per draft")
+    blocks: int = opt(16, "objective drafter: blocks drawn per training sequence (random anchors in its reply)")
+    decay: float = opt(0.8, "objective drafter: loss weight of block column j is decay**j (an early token gates the "
+                       "acceptance of every later one)")
+    features_cache: Any = opt(None, "objective drafter: a folder that keeps the frozen target's features of every "
+                              "record (float16), computed once instead of every epoch", kind=str,
+                              resume_may_change=True)
+
+    def choices(self) -> dict:
+        """The DrafterConfig fields this section sets."""
+        out = dict(num_hidden_layers=self.layers, in_block=self.in_block, sidecar=self.sidecar,
+                   block_size=self.block_size, draft_vocab_size=self.draft_vocab_size)
+        if self.feature_layers is not None:
+            out["feature_layers"] = list(self.feature_layers)
+        return out
+
+
+@dataclass
 class LoraSection:
     enabled: bool = opt(False, "wrap the model with peft LoRA adapters before DeepSpeed (stage 2 of hybrid conversion, "
                         "train/lora.py): only the adapters train; the export (final/) is the adapter, merged with "
@@ -101,8 +129,10 @@ class TrainConfig:
                          "complementary views + certainty.entropy_weight x the entropy of softmax(logits / "
                          "certainty.temperature) where the argmax is already right); or attention_transfer (stage 1 of "
                          "hybrid conversion, train/transfer.py: per-layer MSE of block-hybrid layers to their own softmax "
-                         "attention on noised block-diffusion batches; only feature maps and gates train)",
-                         choices=("ar", "mdlm", "block", "certainty", "attention_transfer"))
+                         "attention on noised block-diffusion batches; only feature maps and gates train); or drafter "
+                         "(a drafter for verify=True beside the frozen model, on teacher records of its own replies: "
+                         "train/drafter.py; the drafter.* keys)",
+                         choices=("ar", "mdlm", "block", "certainty", "attention_transfer", "drafter"))
     complementary: bool = opt(False, "block objective: also train on the complementary mask of every sample (the "
                               "certainty objective always does)")
     eps: float = opt(1e-3, "diffusion objectives: smallest masking probability")
@@ -140,6 +170,12 @@ class TrainConfig:
     resume: str = opt("auto", "auto = continue from the latest complete checkpoint in OUTPUT_DIR/checkpoints if any; "
                       "never = start fresh (refuses a folder that has checkpoints); or a checkpoint folder path",
                       resume_may_change=True)
+    resume_unverified: bool = opt(False, "resume from a checkpoint that has no checksums.sha256 (its manifest deleted, "
+                                  "or written before r2lm wrote one), whose files cannot be checked; without it such a "
+                                  "checkpoint is refused", resume_may_change=True)
+    resume_data_changed: bool = opt(False, "resume although a data file changed since the checkpoint (the batches then "
+                                    "differ from the uninterrupted run's); without it the run is refused, naming the "
+                                    "file", resume_may_change=True)
     export: bool = opt(True, "write an HF-format R2LM folder to OUTPUT_DIR/final when the run ends",
                        resume_may_change=True)
     export_dtype: str = opt("auto", "dtype of the export; auto = the dtype of the starting checkpoint",
@@ -150,6 +186,8 @@ class TrainConfig:
     lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "LoRA adapters (peft)"})
     certainty: CertaintySection = field(default_factory=CertaintySection,
                                         metadata={"help": "certainty forcing (objective certainty)"})
+    drafter: DrafterSection = field(default_factory=DrafterSection,
+                                    metadata={"help": "a drafter for the frozen model (objective drafter)"})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -315,6 +353,7 @@ def check_values(cfg: TrainConfig) -> None:
     if cfg.data.train in ("", None):
         raise ValueError("config key data.train is empty: give the training data")
     check_certainty(cfg)
+    check_drafter(cfg)
     lora = cfg.lora
     if lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
         raise ValueError(f"config keys lora.r and lora.alpha must be positive and lora.dropout in [0, 1), got r={lora.r}, "
@@ -331,6 +370,19 @@ def check_certainty(cfg: TrainConfig) -> None:
                          f"temperature={section.temperature}, entropy_weight={section.entropy_weight}")
     if cfg.objective != "certainty" and section != CertaintySection():
         raise ValueError(f"the certainty.* keys set the certainty objective, but objective is {cfg.objective!r}")
+
+
+def check_drafter(cfg: TrainConfig) -> None:
+    """drafter.* values, and no such key set for another objective (it would be silently ignored)."""
+    section = cfg.drafter
+    for key in ("layers", "block_size", "blocks"):
+        if getattr(section, key) <= 0:
+            raise ValueError(f"config key drafter.{key} must be positive, got {getattr(section, key)}")
+    if section.draft_vocab_size < 0 or not 0 < section.decay <= 1:
+        raise ValueError(f"config keys drafter.draft_vocab_size must be >= 0 and drafter.decay in (0, 1], got "
+                         f"{section.draft_vocab_size} and {section.decay}")
+    if cfg.objective != "drafter" and dataclasses.replace(section, features_cache=None) != DrafterSection():
+        raise ValueError(f"the drafter.* keys set the drafter objective, but objective is {cfg.objective!r}")
 
 
 # ---------------------------------------------------------------------------------------------- resume

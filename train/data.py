@@ -28,6 +28,7 @@ import codecs
 import glob
 import hashlib
 import itertools
+import json
 import logging
 import math
 import re
@@ -158,14 +159,138 @@ def resolve_source(spec, fmt: str = "auto", what: str = "data.train") -> Source:
     return Source(builder, files=files)
 
 
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+              type(None): "null"}
+JSON_SPACE = re.compile(r"[ \t\r\n]*")
+
+
+def first_bad_record(files: list[str], field: str | None = None) -> tuple[str, str, str] | None:
+    """(file, where, problem) of the first record of json / jsonl `files` that cannot be read ("line 7", "not JSON
+    (Expecting ',' delimiter: column 12)"), or whose `field` holds no string (given a field); None when all read.
+    datasets names neither the file nor the line of such a record. A file that starts with "[" is one JSON array
+    (datasets reads it whole); any other holds JSON lines (datasets accepts blank lines, and several objects on one)."""
+    for f in files:
+        if f.lower().endswith(COMPRESSED):
+            continue
+        with open(f, "rb") as fh:
+            start = fh.read(64).lstrip(codecs.BOM_UTF8).lstrip()
+            fh.seek(0)
+            if start.startswith(b"["):
+                problem = _bad_array(fh.read().decode("utf-8", errors="replace").lstrip("\ufeff"), field)
+                if problem is not None:
+                    return (f, *problem)
+                continue
+            for number, raw in enumerate(fh, 1):
+                problem = _bad_line(raw[3:] if number == 1 and raw.startswith(codecs.BOM_UTF8) else raw, field)
+                if problem is not None:
+                    return f, f"line {number}", problem
+    return None
+
+
+def _bad_line(raw: bytes, field: str | None) -> str | None:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+    line = line.rstrip("\r\n")
+    decoder = json.JSONDecoder()
+    pos = JSON_SPACE.match(line).end()
+    while pos < len(line):
+        try:
+            value, pos = decoder.raw_decode(line, pos)
+        except json.JSONDecodeError as err:
+            return f"not JSON ({err.msg}: column {err.colno})"
+        problem = _bad_value(value, field, strings=False)
+        if problem is not None:
+            return problem
+        pos = JSON_SPACE.match(line, pos).end()
+    return None
+
+
+def _bad_array(text: str, field: str | None) -> tuple[str, str] | None:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"line {err.lineno}", f"not JSON ({err.msg}: column {err.colno})"
+    for i, value in enumerate(values if isinstance(values, list) else [values]):
+        problem = _bad_value(value, field, strings=True)
+        if problem is not None:
+            return f"item {i} of its array", problem
+    return None
+
+
+def _bad_value(value, field: str | None, strings: bool) -> str | None:
+    """Why one JSON value is not a record with a string `field` (an array may also hold plain strings)."""
+    if strings and isinstance(value, str):
+        return None
+    if not isinstance(value, dict):
+        return f"holds {JSON_KINDS.get(type(value), 'a value')}, not an object (a record)"
+    if field is not None and field not in value:
+        return f"has no {field!r} field"
+    if field is not None and not isinstance(value[field], str):
+        return f"its {field!r} is {JSON_KINDS.get(type(value[field]), 'a value')}, not a string"
+    return None
+
+
+def fingerprint(files: list[str], known: dict | None = None) -> dict[str, dict]:
+    """{file: {"size", "mtime_ns", "sha256"}}: what a checkpoint records of its data files, so that a resumed run
+    notices one that changed. A file whose size and modification time match `known` (an earlier record) keeps its
+    sha256 there instead of being read again."""
+    out = {}
+    for f in files:
+        size, mtime_ns = _stat(f)
+        old = (known or {}).get(f)
+        out[f] = {"size": size, "mtime_ns": mtime_ns, "sha256": old["sha256"] if old is not None and
+                  (old["size"], old["mtime_ns"]) == (size, mtime_ns) else None}
+    unread = [f for f, record in out.items() if record["sha256"] is None]
+    if unread:
+        logger.info("reading %d data file(s), %.1f MB, for their sha256 (a resumed run checks them)", len(unread),
+                    sum(out[f]["size"] for f in unread) / 1e6)
+    for f in unread:
+        out[f]["sha256"] = _sha256(f)
+    return out
+
+
+def data_changes(recorded: dict[str, dict], files: list[str]) -> list[str]:
+    """How `files` differ from a checkpoint's `fingerprint` of them: new, gone and changed files. Only a file whose
+    size or modification time differ is read; one that was touched or copied without a change is unchanged."""
+    changes = []
+    for f in files:
+        old = recorded.get(f)
+        if old is None:
+            changes.append(f"{f} is new")
+            continue
+        size, mtime_ns = _stat(f)
+        if size != old["size"]:
+            changes.append(f"{f} changed ({old['size']} bytes then, {size} now)")
+        elif mtime_ns != old["mtime_ns"] and _sha256(f) != old["sha256"]:
+            changes.append(f"{f} changed (the same size, other content)")
+    return changes + [f"{f} is gone" for f in recorded if f not in files]
+
+
+def _stat(path: str) -> tuple[int, int]:
+    st = Path(path).stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _sha256(path: str) -> str:
+    from r2lm.checkpoints.manifest import sha256_of  # each version of a file is read once per process
+
+    return sha256_of(Path(path))
+
+
 def _load_error(source: Source, err: Exception) -> str:
-    """The message of a failed datasets.load_dataset: the file and byte offset of a decoding error; for a hub
-    dataset the offline hint, and that no local file of that name exists either."""
+    """The message of a failed datasets.load_dataset: the file and line of a bad json record, the file and byte
+    offset of a decoding error; for a hub dataset the offline hint, and that no local file of that name exists
+    either."""
     import datasets
 
     cause = err
     while cause is not None and not isinstance(cause, UnicodeDecodeError):
         cause = cause.__cause__ or cause.__context__
+    bad = _bad_record((source,))  # a record that is not JSON: datasets names no file and no line
+    if bad is not None:
+        return bad
     if cause is not None and source.files:  # a text file that is not UTF-8 past the part resolve_source checked
         for f in source.files:
             problem = None if f.lower().endswith(COMPRESSED) else first_non_text(f)
@@ -202,7 +327,10 @@ def load_documents(source: Source, cfg, streaming: bool):
     field = "text" if source.builder == "text" else cfg.text_field
     columns = ds.column_names
     if columns is None and streaming:  # some streamed sources only know their columns after the first example
-        columns = list(next(iter(ds.take(1)), {}).keys())
+        try:
+            columns = list(next(iter(ds.take(1)), {}).keys())
+        except Exception as err:  # that read parses the first block: a bad record there fails it
+            raise ValueError(_load_error(source, err)) from err
     if field not in (columns or []):
         raise ValueError(f"{source.describe()} has no column {field!r} (columns: {columns}); set data.text_field")
     ds = ds.select_columns([field])
@@ -413,11 +541,14 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
         if d.shuffle_buffer:
             docs = docs.shuffle(seed=cfg.seed, buffer_size=d.shuffle_buffer)
         docs = split_dataset_by_node(docs, rank=rank, world_size=world)
-        train = StreamBatches(stream_sequences(docs, tokenizer, eos_id, seq_len, "data.train"), mbs, gas)
+        sequences = stream_sequences(docs, tokenizer, eos_id, seq_len, "data.train")
+        train = StreamBatches(_naming_records(sequences, (train_src, held_src), d.text_field), mbs, gas)
         heldout = None
         if held_docs is not None:
             wanted = cfg.eval_batches * world * mbs
-            rows = list(itertools.islice(_finite_sequences(held_docs, tokenizer, eos_id, seq_len), wanted))
+            sequences = _naming_records(_finite_sequences(held_docs, tokenizer, eos_id, seq_len), (train_src, held_src),
+                                        d.text_field)
+            rows = list(itertools.islice(sequences, wanted))
             if not rows:
                 raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
             heldout = EvalSet(rows, mbs, world, cfg.eval_batches)
@@ -429,8 +560,14 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
         if d.heldout_fraction:
             held_docs = split_heldout(docs, d.heldout_fraction, True)
             docs = split_heldout(docs, d.heldout_fraction, False)
-        packed = pack_dataset(docs, tokenizer, eos_id, seq_len, d.num_proc)
-        held = pack_dataset(held_docs, tokenizer, eos_id, seq_len, d.num_proc) if held_docs is not None else None
+        try:
+            packed = pack_dataset(docs, tokenizer, eos_id, seq_len, d.num_proc)
+            held = pack_dataset(held_docs, tokenizer, eos_id, seq_len, d.num_proc) if held_docs is not None else None
+        except ValueError as err:  # a record whose text is no string
+            bad = _bad_record((train_src, held_src), d.text_field)
+            if bad is None:
+                raise
+            raise ValueError(bad) from err
         return docs, packed, held
 
     if first_on_node:
@@ -450,6 +587,28 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
     train = IndexedBatches(packed.with_format(None), mbs, gas, rank, world, cfg.seed)
     heldout = EvalSet(held, mbs, world, cfg.eval_batches) if held is not None else None
     return Data(train, heldout, eos_id, len(packed))
+
+
+def _bad_record(sources, field: str | None = None) -> str | None:
+    """The first bad record of `sources`' json files, as "FILE, line N: PROBLEM" (None when none is bad)."""
+    for source in sources:
+        if source is not None and source.builder == "json" and source.files:
+            bad = first_bad_record(source.files, field)
+            if bad is not None:
+                return "{}, {}: {}".format(*bad)
+    return None
+
+
+def _naming_records(sequences, sources, field: str):
+    """`sequences`, its read and tokenisation errors naming the file and line of a bad json record: a stream reads
+    records only as training reaches them (pyarrow's "JSON parse error ... in row 2" counts rows per block)."""
+    try:
+        yield from sequences
+    except ValueError as err:  # pyarrow's ArrowInvalid is one, and encode() raises one
+        bad = _bad_record(sources, field)
+        if bad is None:
+            raise
+        raise ValueError(bad) from err
 
 
 def _finite_sequences(docs, tokenizer, eos_id, seq_len):

@@ -14,8 +14,10 @@ Run folder (`output_dir`): run.lock (one run at a time, train/lock.py), config.y
 metrics.jsonl (one line per step and per evaluation), wandb/, checkpoints/step-N/ (complete DeepSpeed checkpoints
 with a checksum manifest, see r2lm/checkpoints/training.py) and final/ (HF-format R2LM folder written at the end).
 Nothing is written there before the config and the data pass their checks. With resume=auto a rerun continues
-from the newest intact checkpoint and reproduces the uninterrupted run's losses exactly (same world size and
-settings: check_resume).
+from the newest intact checkpoint and reproduces the uninterrupted run's losses exactly (same world size, settings
+and data files: check_resume; a checkpoint without its manifest, or data changed since, only when asked for with
+resume_unverified / resume_data_changed). A loss or gradient that becomes NaN or infinite stops the run, naming the
+last checkpoint saved before the divergence (train/guard.py), which keep_checkpoints never prunes.
 
 Block-hybrid conversion runs in two stages of this program: objective=attention_transfer (stage 1,
 train/transfer.py: only feature maps and gates train; attention_transfer.json reports the held-out per-layer MSE
@@ -45,12 +47,9 @@ if __package__ in (None, ""):  # run as a script (deepspeed / torchrun / python 
 
 from train.config import TrainConfig, keys_help, load_config  # noqa: E402  (light: no torch import)
 from train.distributed import init_distributed, rank0_decides, setup_environment  # noqa: E402
+from train.guard import DivergenceGuard, NonFiniteLossError  # noqa: E402
 
 logger = logging.getLogger("train.pretrain")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss (or the gradient norm) became NaN or infinite: the run stops without writing a checkpoint."""
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -90,6 +89,7 @@ class Plan:
     ds_config: dict
     resume_candidates: list[Path]  # newest first; the run continues from the first intact one (none: a fresh run)
     source_dtype: str
+    objective: object  # train/objectives.py: what this run trains, on what, and how it exports
 
 
 def resolve_path(value: str) -> Path:
@@ -134,8 +134,8 @@ def validate(cfg: TrainConfig) -> Plan:
 
     from r2lm import R2LMConfig
     from r2lm.checkpoints import DamagedCheckpointError, check_weights
-    from r2lm.diffusion import check_objective
     from train.data import resolve_source
+    from train.objectives import objective_of
 
     model_dir = resolve_path(cfg.model)
     if not (model_dir / "config.json").is_file():
@@ -151,26 +151,12 @@ def validate(cfg: TrainConfig) -> Plan:
     check_weights(model_dir)  # a missing or truncated weights file: named now, not by a traceback in from_pretrained
     if cfg.seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} is above the model's max_position_embeddings {config.max_position_embeddings}")
-    transfer = cfg.objective == "attention_transfer"
-    if transfer:
-        from train.transfer import check_attention_transfer
-
-        check_attention_transfer(config)
-        if cfg.data.heldout is None and not cfg.data.heldout_fraction:
-            raise ValueError("objective attention_transfer reports the held-out per-layer MSE before and after training: "
-                             "give data.heldout or data.heldout_fraction")
-    else:
-        check_objective(cfg.objective, config)
-    if cfg.objective in ("block", "certainty", "attention_transfer") and cfg.seq_len <= config.block_size:
-        raise ValueError(f"seq_len {cfg.seq_len} must exceed the block size {config.block_size} (block 0 is context only)")
-    if cfg.complementary and cfg.objective not in ("block", "certainty"):
-        raise ValueError("complementary masks exist for the block objective only (and certainty, which always uses them)")
+    objective = objective_of(cfg)
+    objective.check(config)
     if cfg.lora.enabled:
         from train.lora import check_lora
 
         check_lora(cfg, config)
-    if cfg.freeze_backbone and not config.sidecar_layers and not transfer:
-        raise ValueError("freeze_backbone leaves nothing to train: the model has no sidecar_layers")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -182,7 +168,7 @@ def validate(cfg: TrainConfig) -> Plan:
     if cfg.data.heldout is not None:
         resolve_source(cfg.data.heldout, cfg.data.format, "data.heldout")
     if cfg.precision == "bf16" and not torch.cuda.is_available():
-        logger.warning("precision=bf16 on CPU: DeepSpeed supports it, but it is slow and not what CPU tests use")
+        logger.warning("precision=bf16 on CPU: DeepSpeed supports it, but it is slow; precision=auto is fp32 here")
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and torch.cuda.is_available())
     ds_config = read_deepspeed_config(cfg, use_bf16)
 
@@ -194,7 +180,7 @@ def validate(cfg: TrainConfig) -> Plan:
         except DamagedCheckpointError:
             continue
     source_dtype = str(config.dtype).removeprefix("torch.") if config.dtype else "float32"
-    return Plan(config, tokenizer, ds_config, candidates, source_dtype)
+    return Plan(config, tokenizer, ds_config, candidates, source_dtype, objective)
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "train.log", "checkpoints", "final", "wandb", "wandb_run_id")
@@ -249,11 +235,19 @@ def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
     """Refuse to continue `checkpoint` with settings that exact resume cannot honour (ValueError): another world
     size, another model, or a changed setting that the optimizer, schedule, data or noise state depends on (the
     checkpoint's state would silently win over the new value). Settings that do not change what is computed
-    (logging, evaluation and checkpoint frequency, export ...: `resume_may_change` in train/config.py) may change."""
-    from r2lm.checkpoints import read_state
+    (logging, evaluation and checkpoint frequency, export ...: `resume_may_change` in train/config.py) may change.
+    Also refused unless asked for: a checkpoint without a manifest (its files cannot be verified) and data files
+    that changed since the checkpoint (the batches replayed are a function of the data)."""
+    from r2lm.checkpoints import MANIFEST, read_manifest, read_state
     from train.config import resume_conflicts
 
     state = read_state(checkpoint)
+    if read_manifest(checkpoint) is None and not cfg.resume_unverified:
+        raise ValueError(
+            f"checkpoint {checkpoint} has no {MANIFEST} (deleted, or written by an r2lm before manifests), so its "
+            f"files cannot be checked against what was saved: restore {checkpoint / MANIFEST}, or give "
+            "resume_unverified=true to resume from it unchecked"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if state["world_size"] != world:
         raise ValueError(
@@ -286,6 +280,43 @@ def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
             "run, or use a new output_dir for a run with the new settings (python -m convert deepspeed-to-hf exports "
             "the checkpoint as a model to start it from)"
         )
+    changes = data_changes_since(cfg, state)
+    if changes and not cfg.resume_data_changed:
+        raise ValueError(
+            f"checkpoint {checkpoint} was saved with other data: {'; '.join(changes)}. Exact resume replays the "
+            "batches the run would have read from the data as it was: restore it, or give resume_data_changed=true "
+            f"to continue on the data as it is now (or start a new run in a new output_dir from python -m convert "
+            f"deepspeed-to-hf {checkpoint} DST)"
+        )
+
+
+def data_sources(cfg: TrainConfig) -> dict[str, list[str]]:
+    """{"data.train": files, "data.heldout": files} of the local data (a hub dataset has no files to record)."""
+    from train.data import resolve_source
+
+    sources = {}
+    for what, spec in (("data.train", cfg.data.train), ("data.heldout", cfg.data.heldout)):
+        if spec is not None:
+            sources[what] = resolve_source(spec, cfg.data.format, what).files or []
+    return sources
+
+
+def data_record(cfg: TrainConfig, known: dict | None) -> dict:
+    """The fingerprints of the data files that a checkpoint records (`known`: an earlier record, not read again)."""
+    from train.data import fingerprint
+
+    return {what: fingerprint(files, (known or {}).get(what)) for what, files in data_sources(cfg).items()}
+
+
+def data_changes_since(cfg: TrainConfig, state: dict) -> list[str]:
+    """How the data files differ from those a checkpoint's trainer state recorded (none recorded: none known)."""
+    from train.data import data_changes
+
+    recorded = state.get("data_files")
+    if recorded is None:  # a checkpoint of an older r2lm
+        return []
+    return [f"{what} file {change}" for what, files in data_sources(cfg).items()
+            for change in data_changes(recorded.get(what, {}), files)]
 
 
 def schedule_so_far_unchanged(cfg: TrainConfig, old_steps: int, done: int) -> bool:
@@ -330,22 +361,10 @@ def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
     import deepspeed
     import torch
 
-    from r2lm import R2LMForDiffusionLM
-    from train.transfer import AttentionTransferLM, freeze_for_transfer
-
-    transfer = cfg.objective == "attention_transfer"
-    model_class = AttentionTransferLM if transfer else R2LMForDiffusionLM
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
+    model = plan.objective.module(model_dir, plan)
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; keep working with either name
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
-    if transfer:  # stage 1 trains the feature maps and gates only, whatever freeze_backbone says
-        names = freeze_for_transfer(model)
-        logger.info("attention transfer: training %d feature-map / gate tensors of hybrid layers %s%s", len(names),
-                    model.config.hybrid_layers, " (freeze_backbone is implied)" if cfg.freeze_backbone else "")
-    elif cfg.freeze_backbone:
-        names = model.freeze_backbone()
-        logger.info("frozen backbone: training %d sidecar tensors", len(names))
     if cfg.lora.enabled:
         from train.lora import wrap
 
@@ -363,60 +382,32 @@ def build_engine(cfg: TrainConfig, plan: Plan, model_dir: Path):
     return engine
 
 
-def evaluate(engine, data, cfg: TrainConfig, model_config, rank: int, dist) -> dict:
-    """The objective's loss on the held-out set with fixed noise: token-weighted over all ranks' batches (and, for
-    attention transfer, each hybrid layer's MSE: `eval_mse_layer_N`)."""
+def evaluate(engine, data, cfg: TrainConfig, objective, model_config, rank: int, dist) -> dict:
+    """The objective's loss on the held-out set with fixed noise, and its named parts (certainty: ce, entropy,
+    right_fraction; attention transfer: each hybrid layer's MSE, `eval_mse_layer_N`): token-weighted over all
+    ranks' batches."""
     import torch
 
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    layers = None  # attention transfer: [sum of weight * per-layer MSE ..., sum of weights]
-    parts: dict = {}  # the loss's named parts (certainty: ce, entropy, right_fraction), token-weighted like the loss
+    parts: dict = {}
     engine.eval()
     with torch.no_grad():
         for k, indices, weight in data.heldout.plan(rank):
-            x0 = data.heldout.batch(indices).to(engine.device)
+            batch = data.heldout.batch(indices)
             generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.eval_seed, k, rank))
-            out = objective_loss(cfg, engine, x0, data.eos_id, generator, model_config)
-            totals += torch.tensor([float(out.loss) * out.tokens * weight, out.tokens * weight],
+            out = objective.loss(engine, batch, generator, model_config)
+            tokens = float(out.tokens)
+            totals += torch.tensor([float(out.loss) * tokens * weight, tokens * weight],
                                    dtype=torch.float64, device=engine.device)
             for name, value in out.metrics().items():
-                parts[name] = parts.get(name, 0) + value.detach().to(torch.float64) * out.tokens * weight
-            if getattr(out, "per_layer", None) is not None:
-                part = torch.cat([out.per_layer.detach().double() * weight, torch.tensor([weight], dtype=torch.float64)])
-                layers = part if layers is None else layers + part
+                parts[name] = parts.get(name, 0) + value.detach().to(torch.float64) * tokens * weight
     engine.train()
     dist.all_reduce(totals)
     record = {"eval_loss": float(totals[0] / totals[1]), "eval_tokens": int(totals[1])}
     for name in sorted(parts):
         dist.all_reduce(parts[name])
         record[f"eval_{name}"] = float(parts[name] / totals[1])
-    if layers is not None:
-        dist.all_reduce(layers)
-        record.update({f"eval_mse_layer_{i}": float(v) for i, v in zip(model_config.hybrid_layers, layers[:-1] / layers[-1], strict=True)})
     return record
-
-
-def objective_loss(cfg: TrainConfig, model, x0, separator_id, generator, model_config):
-    """The configured objective on one batch: r2lm.diffusion's, or attention transfer (train/transfer.py)."""
-    if cfg.objective == "attention_transfer":
-        from train.transfer import transfer_loss
-
-        return transfer_loss(model, x0, separator_id=separator_id, generator=generator, config=model_config, eps=cfg.eps)
-    from r2lm.diffusion import compute_loss
-
-    return compute_loss(cfg.objective, model, x0, separator_id=separator_id, generator=generator, config=model_config,
-                        **_objective_options(cfg))
-
-
-def _objective_options(cfg: TrainConfig) -> dict:
-    if cfg.objective in ("ar", "attention_transfer"):
-        return {}
-    options = {"eps": cfg.eps}
-    if cfg.objective == "block":
-        options["complementary"] = cfg.complementary
-    if cfg.objective == "certainty":
-        options.update(entropy_weight=cfg.certainty.entropy_weight, temperature=cfg.certainty.temperature)
-    return options
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -473,16 +464,6 @@ class GradientWatch:
             handle.remove()
 
 
-def non_finite_error(problem: str, last_ckpt: Path | None) -> NonFiniteLossError:
-    if last_ckpt is None:
-        return NonFiniteLossError(f"{problem}: stopping without saving; the last good checkpoint is none (no "
-                                  "checkpoint was written)")
-    return NonFiniteLossError(
-        f"{problem}: stopping without saving; the last good checkpoint is {last_ckpt} (a run with another lr needs a "
-        f"new output_dir: start it from python -m convert deepspeed-to-hf {last_ckpt} DST)"
-    )
-
-
 def train(cfg: TrainConfig) -> Result:
     """Run (or continue) the training described by `cfg`; collective across ranks."""
     rank, local_rank, world = setup_environment()
@@ -512,17 +493,17 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
     from tqdm.auto import tqdm
 
     from train import checkpointing
-    from train.data import build_data, eos_id_of
-    from train.lora import base_model, export_adapter, save_adapter_config
-    from train.tracking import Tracker, read_metrics
-    from train.transfer import write_summary
+    from train.data import eos_id_of
+    from train.lora import base_model
+    from train.tracking import Tracker
 
     run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_path(cfg.model)
+    objective = plan.objective
     eos_id = eos_id_of(plan.tokenizer, plan.model_config)
     try:  # the data's own checks (it decodes, it fills a sequence) end the validation: nothing is written before
-        data = build_data(cfg, plan.tokenizer, eos_id, rank, world, first_on_node=local_rank == 0, barrier=dist.barrier)
+        data = objective.data(plan, eos_id, rank, world, local_rank == 0, dist.barrier)
     except ValueError:
         if lock is not None:
             lock.release(discard=True)  # and the output_dir, if this run created it
@@ -538,40 +519,42 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
     export_dtype = plan.source_dtype if cfg.export_dtype == "auto" else cfg.export_dtype
 
     def write_extras(folder: Path) -> None:  # what an export needs beside the shards
-        config = type(model_config).from_dict(model_config.to_dict())
-        config.dtype = export_dtype
-        config.save_pretrained(folder)
-        plan.tokenizer.save_pretrained(folder)
-        if (model_dir / "generation_config.json").is_file():
-            (folder / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
-        if cfg.lora.enabled:
-            save_adapter_config(engine.module, folder)
+        objective.write_extras(folder, engine, plan, model_dir, export_dtype)
 
     start = 0
     last_ckpt = resume_from
+    guard = DivergenceGuard(model_dir, speaks=rank == 0)  # the checkpoint a divergence names (and pruning spares)
+    resumed = {}
     if resume_from is not None:
-        start = checkpointing.load(engine, resume_from)["step"]
+        resumed = checkpointing.load(engine, resume_from)
+        start = resumed["step"]
+        guard = DivergenceGuard.resumed(model_dir, resume_from, resumed, speaks=rank == 0)
         logger.info("resumed from %s at step %d", resume_from, start)
+        changes = data_changes_since(cfg, resumed)  # check_resume let them through: resume_data_changed=true
+        if changes:
+            logger.warning("continuing on changed data (resume_data_changed=true): %s", "; ".join(changes))
+    # what every checkpoint records of the data files (rank 0 writes the trainer state), for the next resume's check
+    data_files = data_record(cfg, resumed.get("data_files")) if rank == 0 else None
     end = cfg.stop_at or cfg.steps
     tracker = Tracker(cfg, run_dir, rank, start)
-    transfer = cfg.objective == "attention_transfer"
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
 
     def run_eval(step: int) -> None:
         if data.heldout is None:
             return
-        record = {"kind": "eval", "step": step, **evaluate(engine, data, cfg, model_config, rank, dist)}
+        record = {"kind": "eval", "step": step, **evaluate(engine, data, cfg, objective, model_config, rank, dist)}
         tracker.log(record)
         layers = "".join(f", layer {k.rsplit('_', 1)[1]} MSE {v:.4g}" for k, v in record.items() if k.startswith("eval_mse_layer_"))
         logger.info("step %d: held-out loss %.4g (%d tokens)%s", step, record["eval_loss"], record["eval_tokens"], layers)
 
     def state_at(step: int) -> dict:
         return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed,
-                "config": cfg.to_dict(), "model_path": str(model_dir.resolve())}  # check_resume compares the model
+                "config": cfg.to_dict(), "model_path": str(model_dir.resolve()),  # check_resume compares the model
+                "guard": guard.state(), "data_files": data_files}
 
     if data.heldout is None:
         logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
-    if start == 0 and (cfg.eval_at_start or transfer):  # attention transfer reports its MSE before training
+    if start == 0 and (cfg.eval_at_start or objective.eval_at_start):  # attention transfer: its MSE before training
         run_eval(0)
     progress = tqdm(total=end, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
     engine.train()
@@ -582,34 +565,30 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]  # what this step's update applies (as restored from a checkpoint, on resume)
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-            layer_sum = torch.zeros(len(model_config.hybrid_layers), dtype=torch.float64, device=engine.device)
-            parts: dict = {}  # the loss's named parts (certainty: ce, entropy, right_fraction), summed like the loss
+            parts: dict = {}  # the loss's named parts (certainty: ce, entropy, ...), summed like the loss
             for micro in range(cfg.grad_accum):
-                x0 = data.train(step, micro).to(engine.device)
+                batch = data.train(step, micro)
                 generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.seed, step, micro, rank))
                 torch.manual_seed(noise_seed(cfg.seed, step, micro, rank, 1))  # dropout (LoRA) replays on resume
-                out = objective_loss(cfg, engine, x0, eos_id, generator, model_config)
-                if transfer:
-                    layer_sum += out.per_layer.detach().to(torch.float64)
+                out = objective.loss(engine, batch, generator, model_config)
                 for name, value in out.metrics().items():
                     parts[name] = parts.get(name, 0) + value.detach().to(torch.float64)
                 reduced = out.loss.detach().to(torch.float64).clone()
                 dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
                 if not torch.isfinite(reduced):
                     problem = f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro})"
-                    raise non_finite_error(problem, last_ckpt)
+                    raise guard.error(problem)
                 loss_sum += reduced
                 engine.backward(out.loss)
                 if micro == cfg.grad_accum - 1 and not gradients.all_finite(dist):  # before the update, on every rank
-                    raise non_finite_error(f"non-finite gradient (inf or NaN) at step {step + 1}, before its update",
-                                           last_ckpt)
+                    raise guard.error(f"non-finite gradient (inf or NaN) at step {step + 1}, before its update")
                 engine.step()
             elapsed = time.perf_counter() - t0
             done = step + 1
             grad_norm = engine.get_global_grad_norm()
             if grad_norm is not None and not math.isfinite(float(grad_norm)):
                 # finite gradients whose norm still overflowed: DeepSpeed skips such an update and every later one
-                raise non_finite_error(f"non-finite gradient norm ({float(grad_norm)}) at step {done}", last_ckpt)
+                raise guard.error(f"non-finite gradient norm ({float(grad_norm)}) at step {done}")
             record = {
                 "kind": "train", "step": done, "loss": float(loss_sum) / (cfg.grad_accum * world),
                 "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -618,11 +597,8 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
             for name in sorted(parts):  # the same names, in the same order, on every rank
                 dist.all_reduce(parts[name])
                 record[name] = float(parts[name]) / (cfg.grad_accum * world)
-            if transfer:
-                dist.all_reduce(layer_sum)
-                layer_mean = (layer_sum / (cfg.grad_accum * world)).tolist()
-                record.update({f"mse_layer_{i}": v for i, v in zip(model_config.hybrid_layers, layer_mean, strict=True)})
             tracker.log(record)
+            guard.step_done(done, record["loss"])  # finite loss and gradients: confirms the checkpoint before it
             progress.update(1)
             if done % cfg.log_every == 0 or done == end:
                 progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
@@ -633,24 +609,22 @@ def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, di
                 run_eval(done)
             if (cfg.save_every and done % cfg.save_every == 0) or done == end:
                 last_ckpt = checkpointing.save(engine, ckpt_root, done, state_at(done), write_extras, rank,
-                                               dist.barrier, cfg.keep_checkpoints)
+                                               dist.barrier, cfg.keep_checkpoints, protect=guard.good)
+                guard.saved(last_ckpt)
         step = end
     finally:
         gradients.remove()
         progress.close()
         tracker.finish()
+    guard.summary()
 
-    if transfer and end == cfg.steps and rank == 0:
-        write_summary(run_dir, read_metrics(run_dir, "eval"), model_config, cfg.steps)
+    if end == cfg.steps and rank == 0:
+        objective.finish(run_dir, model_config)
     export_dir = None
     if cfg.export and end == cfg.steps:
         export_dir = run_dir / "final"
-        if rank == 0 and cfg.lora.enabled:  # the adapter alone; python -m convert merge-lora merges it
-            export_adapter(last_ckpt, export_dir, model_dir, dtype=getattr(torch, export_dtype), overwrite=True)
-        elif rank == 0:
-            from r2lm.checkpoints import export_deepspeed_checkpoint
-
-            export_deepspeed_checkpoint(last_ckpt, export_dir, dtype=getattr(torch, export_dtype), overwrite=True)
+        if rank == 0:
+            objective.export(last_ckpt, export_dir, model_dir, getattr(torch, export_dtype), engine)
         dist.barrier()
     elif end < cfg.steps:
         logger.info("stopped at step %d of %d (stop_at); rerun with resume=auto to continue", end, cfg.steps)

@@ -55,7 +55,7 @@ SETTINGS_SUFFIX = ".settings"  # not a data file extension: a folder given as da
 LOCK_SUFFIX = ".lock"  # nor is this
 # the arguments that decide the records: a resumed run must keep them (--max-prompts may grow or shrink)
 SETTINGS = ("teacher", "prompts", "prompt_field", "text_unit", "prompt_tokens", "max_new_tokens", "batch_size",
-            "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype")
+            "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype", "chat", "id_field")
 # safetensors' names of the floating-point dtypes --dtype auto may stand for
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -64,6 +64,7 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F
 class Prompt:
     ids: list[int]  # teacher token ids
     text: str  # what the record's text starts with
+    source_id: str | None = None  # the prompt record's --id-field (e.g. a ShareGPT conversation id)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -160,21 +161,36 @@ def read_prompts(args, tokenizer, limit: int | None) -> list[Prompt]:
         raise ValueError(f"--prompts: no such file: {args.prompts}")
     section = DataConfig(train=args.prompts, text_field=args.prompt_field, text_unit=args.text_unit)
     docs = iter(load_documents(source, section, streaming=True))  # streamed: no datasets cache is written
+    names = itertools.repeat(None)
+    if args.id_field:  # the same records' ids, read alongside
+        names = (str(row["text"]) for row in load_documents(
+            source, DataConfig(train=args.prompts, text_field=args.id_field, text_unit=args.text_unit), streaming=True))
     prompts: list[Prompt] = []
     while limit is None or len(prompts) < limit:
         texts = [row["text"] for row in itertools.islice(docs, 256)]
         if not texts:
             break
-        for ids in encode(tokenizer, [t or "" for t in texts]):
+        tokens = chat_encode(tokenizer, texts) if args.chat else encode(tokenizer, [t or "" for t in texts])
+        for ids, name in zip(tokens, names, strict=False):  # (names: endless when there is no --id-field)
             if not ids or (args.prompt_tokens and len(ids) < args.prompt_tokens):
                 continue
             ids = ids[: args.prompt_tokens] if args.prompt_tokens else ids
-            prompts.append(Prompt(ids, tokenizer.decode(ids)))
+            prompts.append(Prompt(ids, tokenizer.decode(ids), name))
     prompts = prompts[:limit]
     if not prompts:
         need = f" of at least {args.prompt_tokens} tokens" if args.prompt_tokens else ""
         raise ValueError(f"--prompts {args.prompts} holds no prompt{need}")
     return prompts
+
+
+def chat_encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as a user turn through the tokenizer's chat template, ready for the assistant's reply (the template's
+    own special tokens are real ones)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--chat: the teacher's tokenizer has no chat template")
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t or ""}], tokenize=False,
+                                              add_generation_prompt=True) for t in texts]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def check_lengths(prompts: list[Prompt], teacher: str, max_new_tokens: int) -> None:
@@ -346,7 +362,7 @@ class Teacher:
         self.steps = self.new_tokens = 0  # R2LM teachers: denoising steps and tokens, for the tokens-per-step report
 
     def continue_batch(self, prompts: list[Prompt], seed: int) -> list[tuple[list[int], bool]]:
-        """(new token ids without EOS, whether EOS ended them) for each prompt."""
+        """(new token ids, the EOS that ended them included, whether an EOS ended them) for each prompt."""
         import torch
 
         width = max(len(p.ids) for p in prompts)
@@ -356,7 +372,7 @@ class Teacher:
         out = []
         for row in sequences:
             stop = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
-            out.append((row if stop is None else row[:stop], stop is not None))
+            out.append((row if stop is None else row[: stop + 1], stop is not None))
         return out
 
     def _generate(self, ids, mask, seed: int):
@@ -386,9 +402,15 @@ class Teacher:
 
 
 def record(index: int, prompt: Prompt, new_ids: list[int], finished: bool, tokenizer) -> dict:
-    continuation = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return {"index": index, "text": prompt.text + continuation, "prompt_tokens": len(prompt.ids),
-            "new_tokens": len(new_ids), "finished": finished}
+    """`text`: the prompt and the continuation, EOS dropped (for the training pipeline, which packs documents with
+    EOS); `ids`: the tokens exactly as read and generated, EOS included (a drafter learns the teacher's own tokens,
+    which a round trip through text need not give back)."""
+    continuation = tokenizer.decode(new_ids[:-1] if finished else new_ids, skip_special_tokens=True)
+    out = {"index": index, "text": prompt.text + continuation, "prompt_tokens": len(prompt.ids),
+           "new_tokens": len(new_ids) - finished, "finished": finished, "ids": prompt.ids + new_ids}
+    if prompt.source_id is not None:
+        out["id"] = prompt.source_id
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -405,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-field", default="text", help="jsonl / parquet column of the documents (default: text)")
     parser.add_argument("--text-unit", default="paragraph", choices=("paragraph", "line", "document"),
                         help="what one document is in a text file (default: paragraph)")
+    parser.add_argument("--chat", action="store_true", help="each document is a user turn: the teacher's chat "
+                        "template wraps it, ready for the reply (e.g. ShareGPT prompts: python -m r2lm.workloads)")
+    parser.add_argument("--id-field", help="jsonl / parquet column of each document's id, kept in its record as "
+                        "`id` (e.g. ShareGPT's conversation id: a drafter's training refuses held-out ones)")
     parser.add_argument("--prompt-tokens", type=int, help="keep the first N tokens of every document of at least N "
                         "tokens (default: whole documents)")
     parser.add_argument("--max-prompts", type=int, help="use the first N prompts (default: all)")

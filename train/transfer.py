@@ -71,6 +71,11 @@ def freeze_for_transfer(model) -> list[str]:
 @dataclass
 class TransferLoss(Loss):
     per_layer: torch.Tensor | None = None  # [n_hybrid] MSE of each hybrid layer, in config.hybrid_layers order
+    layers: tuple[int, ...] = ()  # config.hybrid_layers
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Each hybrid layer's MSE, logged as mse_layer_N (eval_mse_layer_N held out)."""
+        return {key: mse for key, mse in zip(layer_keys(self), self.per_layer, strict=True)}
 
 
 def transfer_loss(model, x0, attention_mask=None, separator_id=None, generator=None, config=None, eps=1e-3) -> TransferLoss:
@@ -86,11 +91,13 @@ def transfer_loss(model, x0, attention_mask=None, separator_id=None, generator=N
         per_layer = model.attention_transfer(inputs, layout=layout)
     else:
         raise TypeError(f"attention transfer through a {type(model).__name__} needs it to wrap an AttentionTransferLM")
-    return TransferLoss(per_layer.sum(), x0.numel(), int(masked.sum()), per_layer=per_layer)
+    return TransferLoss(per_layer.sum(), x0.numel(), int(masked.sum()), per_layer=per_layer,
+                        layers=tuple(config.hybrid_layers))
 
 
 def layer_keys(config, prefix: str = "mse_layer_") -> list[str]:
-    return [f"{prefix}{i}" for i in config.hybrid_layers]
+    """The metric names of each hybrid layer's MSE (`config`: anything with hybrid_layers, or a TransferLoss)."""
+    return [f"{prefix}{i}" for i in getattr(config, "hybrid_layers", None) or config.layers]
 
 
 def write_summary(run_dir: Path, eval_records: list[dict], config, steps: int) -> dict | None:

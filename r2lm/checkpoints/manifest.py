@@ -1,9 +1,14 @@
 """The one manifest of every folder r2lm writes (HF-format outputs and training checkpoints): checksums.sha256.
 
 It holds the sha256 of every other file of the folder in `sha256sum` format (`sha256sum -c checksums.sha256`
-checks a folder by hand), written last, when the folder is complete. It serves two readers: `--overwrite`
+checks a folder by hand), written last, when the folder is complete. It serves three readers: `--overwrite`
 replaces a folder only while it holds nothing the manifest does not list (so nothing r2lm did not write is ever
-deleted), and resume and export verify a checkpoint's files against it before they load them.
+deleted); resume and export verify a checkpoint's files against it before they load them; and every loader of
+weights (R2LMForDiffusionLM.from_pretrained, the converters, merge-lora's adapter) verifies the weight files it
+reads (`verify_files`), where their folder has a manifest. Weights are what a flipped bit changes in silence;
+JSON files (config, generation config, tokenizer) are checked by their readers, and may be edited by hand.
+A file's sha256 is computed once per process per version of it (its size, inode and change times): a load that
+checks a folder and then loads it hashes it once, and the shards of a sharded checkpoint are hashed in parallel.
 
 Folders written before this manifest existed: conversions listed their files (names only) in r2lm_manifest.json,
 which still marks a folder as replaceable; training checkpoints had no manifest, and verify warns that they cannot
@@ -16,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -28,12 +34,22 @@ class DamagedCheckpointError(ValueError):
     """A file of a checkpoint is missing or differs from what its manifest says was written."""
 
 
+_digests: dict[tuple, str] = {}  # (path, device, inode, size, mtime, ctime) -> sha256: each file version hashed once
+
+
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    path = Path(path).resolve()
+    st = path.stat()
+    version = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if version not in _digests:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        if len(_digests) >= 4096:
+            _digests.clear()
+        _digests[version] = digest.hexdigest()
+    return _digests[version]
 
 
 def current_umask() -> int:
@@ -114,3 +130,23 @@ def verify_checkpoint(folder: Path) -> bool:
             raise DamagedCheckpointError(f"checkpoint {folder}: {name} is damaged (truncated or changed since it was "
                                          f"saved: its sha256 differs from {MANIFEST})")
     return True
+
+
+def verify_files(folder: Path, paths) -> None:
+    """Check `paths`, files of `folder`, against the folder's manifest before a loader reads them: where the folder
+    has one that lists a file, its sha256 must match. Folders without a manifest (downloads, other programs) and
+    files it does not list are not checked. Raises DamagedCheckpointError (a ValueError) naming the file."""
+    folder = Path(folder)
+    expected = read_manifest(folder)
+    if expected is None:
+        return
+    names = {path: Path(os.path.relpath(path.resolve(), folder.resolve())).as_posix() for path in map(Path, paths)}
+    listed = [(path, expected[name]) for path, name in names.items() if name in expected]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(listed), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(sha256_of, [path for path, _ in listed]))  # shards in parallel: hashlib frees the GIL
+    for (path, digest), found in zip(listed, digests, strict=True):
+        if found != digest:
+            raise DamagedCheckpointError(
+                f"{path} is damaged: its sha256 differs from the one {folder / MANIFEST} lists (truncated or changed "
+                "since r2lm wrote it; restore it from a copy, or if you changed it on purpose, delete its line there)"
+            )

@@ -143,10 +143,11 @@ def begin_save(root: Path, step: int) -> None:
     shutil.rmtree(root / temporary_tag(step), ignore_errors=True)
 
 
-def finish_save(root: Path, step: int, state: dict, keep: int = 0) -> Path:
+def finish_save(root: Path, step: int, state: dict, keep: int = 0, protect: Path | None = None) -> Path:
     """After every rank wrote its shards (and rank 0 the config and tokenizer) into the temporary folder: the
     trainer state, the seal (permissions, manifest), the rename to step-N, `latest`, and the pruning of older
-    checkpoints beyond `keep` (0: keep all). Returns the checkpoint folder."""
+    checkpoints beyond `keep` (0: keep all), except `protect` (the run's last good one). Returns the checkpoint
+    folder."""
     root = Path(root)
     tmp, final = root / temporary_tag(step), root / tag_of(step)
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -160,7 +161,7 @@ def finish_save(root: Path, step: int, state: dict, keep: int = 0) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     _write_atomic(root / LATEST_FILE, tag_of(step))
-    _prune(root, keep)
+    _prune(root, keep, protect)
     return final
 
 
@@ -170,10 +171,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, protect: Path | None = None) -> None:
     for path in root.iterdir():  # temporary folders of earlier crashed saves
         if path.name.startswith((".tmp-step-", ".old-step-")) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
     if keep > 0:
         for _, path in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            if protect is None or path.resolve() != Path(protect).resolve():
+                shutil.rmtree(path, ignore_errors=True)

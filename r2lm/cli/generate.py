@@ -7,12 +7,16 @@ One prompt streams to the terminal as its blocks are committed; several are deco
 printed when done. Decoding options left out come from the checkpoint's generation_config.json (which
 model.generate reads: block size, unmasking rule, sampling, ...). Tokens per denoising step and tokens per second
 follow the text, on stderr.
+
+Ctrl-C stops it with status 130, and a closed stdout (`r2lm-generate ... | head -c 1`) with 141, as a shell reports
+a command that SIGINT or SIGPIPE stopped, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--verify", action="store_true",
                         help="draft --block-size tokens at a time, verify them with the causal pass (greedy only)")
     verify.add_argument("--verify-draft", choices=VERIFY_DRAFTS,
-                        help="what drafts: the diffusion window (default) or prompt lookup (copies of the prompt and "
-                             "the text so far, no drafting window: suits text that repeats itself)")
+                        help="what drafts: the diffusion window (default without --drafter), prompt lookup (copies of "
+                             "the prompt and the text so far, no drafting window: suits text that repeats itself), the "
+                             "drafter, or lookup where the text repeats and the drafter elsewhere (default with "
+                             "--drafter)")
+    verify.add_argument("--drafter", metavar="DIR",
+                        help="a drafter trained for this checkpoint (train/pretrain.py objective=drafter; its final/): "
+                             "implies --verify")
     verify.add_argument("--verify-windows", type=int, metavar="W",
                         help="window drafts: pre-draft W of the block_size + 1 ways a verification can end")
     return parser
@@ -61,7 +70,7 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
     """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder with readable weights:
     transformers would take a missing path for a hub repo id and fail with a message about repo ids, and a
     corrupt weights file with a traceback."""
-    from r2lm.checkpoints import check_weights, has_tokenizer, read_config
+    from r2lm.checkpoints import check_tokenizer, check_weights, read_config
 
     folder = Path(checkpoint)
     if not folder.is_dir():
@@ -77,9 +86,10 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
         check_weights(folder)
     except ValueError as err:
         parser.error(str(err))
-    if not has_tokenizer(folder):
-        parser.error(f"{checkpoint} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
-                     "a conversion copies the source's")
+    try:
+        check_tokenizer(folder)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
@@ -107,7 +117,7 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
         options["use_cache"] = False
     if args.compile:
         options["compile"] = True
-    if args.verify:
+    if args.verify or args.drafter:
         options["verify"] = True
     return options
 
@@ -129,14 +139,19 @@ def encode(tokenizer, prompts: list[str], chat: bool, checkpoint: str):
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> None:
-    from transformers import AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
     from r2lm import R2LMForDiffusionLM
+    from r2lm.checkpoints import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, padding_side="left")
+    tokenizer = load_tokenizer(args.checkpoint, padding_side="left")
     batch = encode(tokenizer, args.prompt, args.chat, args.checkpoint)
     options = decoding_options(args, device)
     model = R2LMForDiffusionLM.from_pretrained(args.checkpoint).to(device).eval()
+    if args.drafter:
+        from r2lm.drafter import Drafter
+
+        options["drafter"] = Drafter.from_pretrained(args.drafter).to(device).eval()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
     start = time.perf_counter()
     out = model.generate(batch.input_ids.to(device), batch.attention_mask.to(device), return_dict_in_generate=True,
@@ -152,9 +167,25 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except KeyboardInterrupt:  # Ctrl-C: what a shell reports for a command SIGINT stopped (128 + 2), no traceback
+        return 130
+    except BrokenPipeError:
+        # stdout was closed (`r2lm-generate ... | head -c 1`). Python's recipe (the signal module's note on SIGPIPE):
+        # point stdout at devnull, so that the flush at exit does not fail again, and exit as a command SIGPIPE
+        # stopped would (128 + 13)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def run(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_checkpoint(parser, args.checkpoint)
+    if args.drafter and not (Path(args.drafter) / "config.json").is_file():
+        parser.error(f"--drafter {args.drafter}: no drafter folder there (no config.json); train one with "
+                     "train/pretrain.py objective=drafter")
     device = check_device(parser, args.device)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

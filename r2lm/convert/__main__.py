@@ -45,7 +45,8 @@ def add_from_hf(sub) -> None:
     p.add_argument("dst", help="output folder (written atomically)")
     p.add_argument("--sidecar-layers", type=layer_list, default=[], help="layers that get a reverse Mamba sidecar, e.g. 3,7,11")
     p.add_argument("--mask-token", default="<|mask|>", help="[MASK] token text; added to the tokenizer if missing (default: %(default)s)")
-    p.add_argument("--mask-token-id", type=int, help="use this existing id as [MASK] instead of looking up --mask-token")
+    p.add_argument("--mask-token-id", type=int, help="use this existing id as [MASK] instead of looking up --mask-token "
+                   "(not an EOS or padding id: the model could never generate)")
     p.add_argument("--attention", default="causal", choices=["causal", "block_causal", "bidirectional"], help="attention kind (default: %(default)s)")
     p.add_argument("--prediction", default="shift", choices=["shift", "inplace"], help="which logits predict a token (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=32, help="diffusion block length (default: %(default)s)")
@@ -56,8 +57,8 @@ def add_from_hf(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=64, help="sidecar SSD chunk length (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the source's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
-    p.add_argument("--gguf-file", help="read the model from this GGUF file in SRC (llama.cpp's format; quantised "
-                   "weights are dequantised by transformers' GGUF loader; needs the gguf package)")
+    p.add_argument("--gguf-file", help="read the model from this GGUF file in SRC, its name there (llama.cpp's format; "
+                   "quantised weights are dequantised by transformers' GGUF loader; needs the gguf package)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_from_hf)
 

@@ -19,7 +19,9 @@ from r2lm.checkpoints import (
     check_destination,
     check_finite,
     has_tokenizer,
+    load_tokenizer,
     read_config,
+    read_generation_config,
     read_state_dict,
     write_checkpoint,
 )
@@ -114,6 +116,22 @@ def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor], *, 
     model.load_state_dict(state, strict=False)
 
 
+def check_mask_id(mask_id: int, given: str, src, config, generation, tokenizer) -> None:
+    """Refuse a [MASK] id that is also an EOS or padding id of the source (its config, generation config or
+    tokenizer): every [MASK] still to decode would read as the end of the text, EOS could never be generated, and
+    padding would read as positions to decode."""
+    roles = (("EOS", "eos_token_id"), ("pad", "pad_token_id"))
+    for role, field in roles:
+        for where, source in (("config", config), ("generation config", generation), ("tokenizer", tokenizer)):
+            value = getattr(source, field, None)
+            if mask_id in (value if isinstance(value, list | tuple) else [value]):
+                raise ValueError(
+                    f"{given} is the {role} token id of {src} (its {where}'s {field} is {value}): the converted model "
+                    "could never generate (every [MASK] would read as that token); give a [MASK] token of its own, or "
+                    "leave --mask-token-id and --mask-token out to add a new one"
+                )
+
+
 def add_mask_row(model: R2LMForDiffusionLM, mask_id: int) -> None:
     """Make room for `mask_id` and set its embedding (and untied output) row to the mean row.
 
@@ -128,19 +146,51 @@ def add_mask_row(model: R2LMForDiffusionLM, mask_id: int) -> None:
             head[mask_id] = head[:mask_id].float().mean(0).to(head.dtype)
 
 
+def gguf_path(src: Path, gguf_file: str) -> Path:
+    """The GGUF file `gguf_file` names in SRC: a name relative to SRC, or an absolute path inside it. A file outside
+    SRC is refused: SRC is the folder a conversion reads (generation config and other files beside the model) and
+    protects (DST may not be, contain or lie inside it)."""
+    if not src.is_dir():
+        raise ValueError(f"SRC {src} is not a folder; with --gguf-file, SRC is the folder that holds the GGUF file")
+    path = (src / gguf_file).resolve()
+    if not path.is_relative_to(src.resolve()):
+        raise ValueError(f"--gguf-file {gguf_file} lies outside SRC {src}; give the folder that holds it as SRC and "
+                         f"its name as --gguf-file (here: SRC {path.parent}, --gguf-file {path.name})")
+    if not path.is_file():
+        raise ValueError(f"no GGUF file {src / gguf_file}")
+    return path
+
+
+def check_gguf(path: Path) -> None:
+    """Read a GGUF file's header and tensor table (memory-mapped: nothing is dequantised), so that a truncated or
+    corrupt file is refused naming it (transformers' loader fails with numpy's "cannot reshape array", a struct
+    error or "is not a valid JSON file")."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ValueError(f"--gguf-file needs the gguf package (pip install gguf): {err}") from None
+    try:
+        GGUFReader(path)  # a tensor whose data the file does not hold fails to take its shape
+    except Exception as err:  # ValueError (magic, version), struct.error, OSError (empty file), IndexError ...
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt): {err}") from None
+
+
 def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
     """(config, state dict, tokenizer) of a GGUF file, dequantised by transformers (after the destination checks)."""
     from transformers import AutoModelForCausalLM
 
-    path = src / gguf_file
-    if not path.is_file():
-        raise ValueError(f"no GGUF file {path}")
+    path = gguf_path(src, gguf_file)
     # Dequantised weights take about 32 / bits-per-weight times the file's size: 8x for 4-bit quantisation.
     check_destination(dst, [src], overwrite, needed_bytes=8 * path.stat().st_size)
+    check_gguf(path)
     logger.info("reading %s: transformers' GGUF loader dequantises its quantised weights to %s", path,
                 torch.get_default_dtype())
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    name = path.relative_to(src.resolve()).as_posix()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:  # an architecture or field it lacks, ...
+        raise ValueError(f"transformers cannot load {path}: {err}") from err
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are dequantised now: nothing of it carries over
         del config.quantization_config
@@ -170,6 +220,7 @@ def convert_from_hf(
         transformers' GGUF loader, which dequantises quantised weights to floating point.
     diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
     src = Path(src)
+    generation = read_generation_config(src) if src.is_dir() else None  # a corrupt one: refused before any work
     if gguf_file is not None:
         hf_config, state, tokenizer = read_gguf(src, gguf_file, dst, overwrite)
     else:
@@ -178,6 +229,7 @@ def convert_from_hf(
         if arch not in SUPPORTED:
             raise ValueError(f"unsupported source architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED)}")
         hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+        tokenizer = load_tokenizer(src) if has_tokenizer(src) else None
     arch = hf_config.model_type
     config = r2lm_config_from_hf(hf_config, sidecar_layers=list(sidecar_layers), **diffusion)
     if mask_token_id is not None and not 0 <= mask_token_id < config.vocab_size:
@@ -185,10 +237,9 @@ def convert_from_hf(
             f"--mask-token-id {mask_token_id} is outside the vocabulary of {src} (ids 0..{config.vocab_size - 1}); give "
             f"an existing id, or leave it out to use --mask-token (added to the vocabulary if missing)"
         )
+    if mask_token_id is not None:
+        check_mask_id(mask_token_id, f"--mask-token-id {mask_token_id}", src, config, generation, tokenizer)
     dtype = dtype or config.dtype or torch.float32
-    if gguf_file is None:
-        state = read_state_dict(src)
-        tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True) if has_tokenizer(src) else None
     new_token = False
     if mask_token_id is None and tokenizer is not None:
         existing = tokenizer.convert_tokens_to_ids(mask_token)
@@ -198,8 +249,13 @@ def convert_from_hf(
             tokenizer.add_special_tokens({"mask_token": mask_token})
             mask_token_id, new_token = tokenizer.convert_tokens_to_ids(mask_token), True
         tokenizer.mask_token = mask_token
+        if not new_token:
+            check_mask_id(mask_token_id, f"--mask-token {mask_token!r} (id {mask_token_id})", src, config, generation,
+                          tokenizer)
     elif mask_token_id is None:  # no tokenizer: a new id after the vocabulary
         mask_token_id, new_token = config.vocab_size, True
+    if gguf_file is None:  # every check above is cheap: the weights are read last
+        state = read_state_dict(src)
 
     logger.info("building R2LM (%s, %d layers, sidecars on %s) in %s", arch, config.num_hidden_layers, config.sidecar_layers, dtype)
     with seeded(seed):  # the sidecars' initialisation, and the resized embeddings' before the mask row is set

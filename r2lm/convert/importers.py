@@ -39,6 +39,7 @@ import torch
 from r2lm.checkpoints import (
     OVERWRITE_HELP,
     check_destination,
+    check_tokenizer,
     has_tokenizer,
     read_config,
     read_state_dict,
@@ -390,6 +391,7 @@ def import_checkpoint(
     if block_size is not None:
         fields["block_size"] = block_size
     config = R2LMConfig(**fields, sidecar_layers=list(sidecar_layers), **sidecar)
+    tokenizer = _load_tokenizer(src, config.mask_token_id) if has_tokenizer(src) else None  # before the weights
 
     source = _Source(read_state_dict(src), spec.name)
     if dtype is None:
@@ -408,7 +410,6 @@ def import_checkpoint(
     load_backbone(model, {t.dst: t.value.to(dtype) for t in tensors}, fresh=is_sidecar_weight)
     model.config._check()
 
-    tokenizer = _load_tokenizer(src, config.mask_token_id) if has_tokenizer(src) else None
     write_checkpoint(model, dst, src, overwrite, tokenizer)
     logger.info("imported %s: attention=%s prediction=%s mask_token_id=%d", spec.name, config.attention,
                 config.prediction, config.mask_token_id)
@@ -416,7 +417,8 @@ def import_checkpoint(
 
 
 def _load_tokenizer(src: Path, mask_id: int):
-    """The source tokenizer with its mask token set, or None when it needs remote code (copied verbatim then)."""
+    """The source tokenizer with its mask token set, or None when it needs remote code (copied verbatim then). Tokenizer
+    files without a vocabulary are refused (check_tokenizer): copied, they would make a tokenizer nothing can load."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
     try:
@@ -427,6 +429,7 @@ def _load_tokenizer(src: Path, mask_id: int):
         logger.warning("the tokenizer of %s needs remote code (auto_map %s), which is never run here; copying its "
                        "tokenizer files verbatim (set its mask token yourself if it has none)", src, auto_map)
         return None
+    check_tokenizer(src)
     try:
         # A blank config: the source's config.json names remote model code, which AutoTokenizer would offer to run.
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True, trust_remote_code=False, config=PreTrainedConfig())

@@ -4,8 +4,9 @@
 
 SRC is the checkpoint the adapter was trained on (for hybrid conversion: stage 1's export), ADAPTER a peft folder
 (adapter_config.json + adapter_model.safetensors, e.g. the final/ of a `lora.enabled` run of train/pretrain.py).
-The adapter is checked against SRC before anything is merged: its target modules must exist there, and its
-weights must be exactly the ones a LoRA of that configuration on SRC has (names, shapes, rank). The merge
+The adapter is checked against SRC before anything is merged: its weights, and SRC's, against their folder's
+checksums.sha256 where it has one (an adapter written by train/pretrain.py has); its target modules must exist in
+SRC, and its weights must be exactly the ones a LoRA of that configuration on SRC has (names, shapes, rank). The merge
 (W += scaling * B @ A, peft's merge_and_unload) runs in fp32; the result is cast to SRC's dtype (or --dtype) and
 written atomically, with SRC's tokenizer and generation config, as a plain R2LM checkpoint.
 """
@@ -47,7 +48,7 @@ def read_adapter(adapter: Path):
         raise ValueError(f"{adapter / ADAPTER_CONFIG} is not a usable LoRA config: {err}") from None
     if not (adapter / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"{adapter} has no {ADAPTER_WEIGHTS}")
-    weights = read_tensors(adapter / ADAPTER_WEIGHTS)
+    weights = read_tensors(adapter / ADAPTER_WEIGHTS)  # verified against the adapter's checksums.sha256
     check_finite(weights, adapter)
     return config, weights
 

@@ -12,7 +12,8 @@ loop (r2lm.generation.decoding).
                      canvas fills in; they are refreshed once per block (Fast-dLLM) or never (BiCache).
 
 Each has `read(start, window, n, clean)` -> logits [B, n, V] predicting the block's n tokens (generated
-positions [start, start + n)), `commit(window)` once the block is final, `forwards` and `close()`. The window is
+positions [start, start + n)), `commit(window)` once the block is final, `keep_rows(keep, canvas)` when finished
+rows leave the batch (after a commit; `canvas` is the remaining rows' canvas), `forwards` and `close()`. The window is
 the canvas columns the block is read through (r2lm.generation.decoding.window_columns): under `shift` the token
 before the block and the block but its last token, column j predicting block token j; under `inplace` the block;
 either followed by clean suffix tokens when infilling. `clean`: the window holds no [MASK].
@@ -97,19 +98,24 @@ class ExactCache:
         self.pending = None
         return self.reader.read(ids, pending + own, keep=slice(pending, pending + n))
 
-    def read_draft(self, draft, layout: Layout):
+    def read_draft(self, draft, layout: Layout, capture: tuple[int, ...] = ()):
         """Logits of clean columns `draft` [B, T] (verified decoding's draft, `layout` its template: clean columns
         only, prepared by the caller), read after the committed text with their keys and values written but not
         committed: the caller advances the cache by the columns it accepts. The first read appends the prompt's head
-        with them."""
+        with them. With `capture` (layer indices): (logits, the layers' outputs over every column the forward read,
+        the validity [B, H] of its H leading columns that were appended: the prompt's head; None after the first)."""
         if self.head is not None:
-            return self._read_after_prompt(draft, draft.shape[1], 0, noisy=False)
-        return self.reader.read(draft, draft.shape[1], keep=slice(None), advance=False, layout=layout)
+            mask = self.head[1]
+            out = self._read_after_prompt(draft, draft.shape[1], 0, noisy=False, capture=capture)
+            return (*out, mask.bool()) if capture else out
+        out = self.reader.read(draft, draft.shape[1], keep=slice(None), advance=False, layout=layout, capture=capture)
+        return (*out, None) if capture else out
 
-    def _read_after_prompt(self, window, n, own, noisy: bool):
+    def _read_after_prompt(self, window, n, own, noisy: bool, capture: tuple[int, ...] = ()):
         """The first read: the prompt's head, appended to the cache, and the first window, in one forward (so a
         generation takes no forward of its own for the prefill). A one-off shape (per-row padding), so the model's
-        own forward rather than the reader's kept masks; the caller builds the next reads' shape (outside the steps)."""
+        own forward rather than the reader's kept masks; the caller builds the next reads' shape (outside the steps).
+        With `capture`: (logits, the captured layers' outputs over every column)."""
         (head, mask), self.head = self.head, None
         cache, reader = self.reader.cache, self.reader
         prompt = self.model.prompt_layout(mask, start=cache.next_position)
@@ -117,13 +123,19 @@ class ExactCache:
         plan = self.model.model.plan(Layout.cat(prompt, after), cache, commit=head.shape[1] + own)
         first = head.shape[1]
         reader.forwards += 1
-        return self.model(torch.cat([head, window], 1), cache=cache, plan=plan,
-                          logits_to_keep=slice(first, first + n)).logits
+        out = self.model(torch.cat([head, window], 1), cache=cache, plan=plan, logits_to_keep=slice(first, first + n),
+                         capture=capture)
+        return (out.logits, out.hidden_states) if capture else out.logits
 
     def commit(self, window):
         if not self.committed:
             self.pending = window
         self.committed = False
+
+    def keep_rows(self, keep, canvas):
+        self.reader.keep_rows(keep)
+        if self.pending is not None:
+            self.pending = self.pending[keep]
 
     def close(self):
         if self.pinned:
@@ -159,6 +171,11 @@ class Recompute:
     def commit(self, window):
         mask = torch.ones_like(window)
         self._append(window.clone(), Layout.span(mask, start=self.next_position, chunk=self.next_chunk), mask)
+
+    def keep_rows(self, keep, canvas):
+        self.ids = [ids[keep] for ids in self.ids]
+        self.layouts = [layout.select_rows(keep) for layout in self.layouts]
+        self.next_position = self.next_position[keep]
 
     def close(self):
         pass
@@ -202,6 +219,12 @@ class Canvas:
 
     def commit(self, window):
         pass
+
+    def keep_rows(self, keep, canvas):
+        self.canvas, self.mask = canvas, self.mask[keep]
+        self.block = None  # an approximate cache is rebuilt at the next block start anyway
+        if self.reuse is not None:
+            self.reuse.keep_rows(keep)
 
     def close(self):
         pass

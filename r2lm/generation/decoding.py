@@ -7,6 +7,7 @@
             step_callback(StepInfo); EOS stops rows
         stop strings, stopping criteria, streamer
         context.commit(block)                          # exact cache: appended by the next block's first read
+        rows that finished leave the batch (context.keep_rows)
 
 How the committed text is held and read is the context's business (r2lm.generation.contexts): the exact KV cache
 of causal and block_causal models, its recompute oracle (use_cache=False), and the canvas of bidirectional
@@ -20,7 +21,7 @@ import torch
 
 from r2lm.generation.contexts import open_context
 from r2lm.generation.options import Request, make_request
-from r2lm.generation.outputs import GenerateOutput, StepInfo
+from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
 from r2lm.generation.sampling import propose, schedule, select
 from r2lm.generation.stopping import Stopper
 from r2lm.generation.verify import decode_verified
@@ -64,20 +65,24 @@ def decode(model, r: Request) -> GenerateOutput:
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
     shift, suffix = model.config.prediction == "shift", r.suffix_ids.shape[1]
     canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), r.suffix_ids], 1)
-    out = canvas[:, prompt_len : prompt_len + n]  # a view: unmasking writes straight into the canvas
     stopper = Stopper(r, batch, ids.device)
     stopper.stream(ids)
     steps_per_block = r.steps // r.num_blocks if r.steps else None
     step = end = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)  # read once, at the end: no sync per step
+    # The rows still decoding: once a row has finished (EOS, a stop) it leaves the forwards at the end of its block,
+    # so a batch costs about its rows' own forwards. `work` is their canvas (the canvas itself until a row leaves),
+    # `rows` their indices in the batch (None: every row). Not under compile=True (a new batch size recompiles).
+    work, rows, leave = canvas, None, not r.compile
     context = open_context(model, r, canvas)
     try:
         for start in range(0, n, b):
             end = min(start + b, n)
-            block = out[:, start:end]
-            block.masked_fill_(stopper.finished[:, None], r.pad_id)  # finished rows have nothing left to decode
+            block = work[:, prompt_len + start : prompt_len + end]  # a view: unmasking writes straight into it
+            finished = stopper.finished if rows is None else stopper.finished[rows]
+            block.masked_fill_(finished[:, None], r.pad_id)  # finished rows (compile=True keeps them) have nothing left
             columns = window_columns(prompt_len, start, end, b, n, suffix, shift)
-            window = canvas[:, columns]  # a view: it follows the unmasking
+            window = work[:, columns]  # a view: it follows the unmasking
             inputs = min(columns.stop - prompt_len, end) - start  # block positions that are window inputs
             counts = schedule(block == r.mask_id, steps_per_block) if steps_per_block else None
             masked, window_masked, done = block == r.mask_id, inputs > 0, False  # a running row's new block: all [MASK]
@@ -88,21 +93,32 @@ def decode(model, r: Request) -> GenerateOutput:
                 take = select(conf, masked, r.threshold, r.factor, counts[:, i] if counts is not None else None)
                 block.copy_(torch.where(take, tokens, block))
                 if r.step_callback is not None:
-                    r.step_callback(StepInfo(step, start, masked, tokens, conf, take, logits))
-                stopper.check_eos(block, start)
+                    seen = ((masked, False), (tokens, r.pad_id), (conf, 0.0), (take, False), (logits, 0.0))
+                    r.step_callback(StepInfo(step, start, *(spread(x, rows, batch, f) for x, f in seen)))
+                stopper.check_eos(block, start, rows)
                 step += 1
                 masked = block == r.mask_id
-                # the one host sync of a step: anything left in the block, is its window clean, has every row stopped
-                flags = int(masked.any() * 4 + masked[:, :inputs].any() * 2 + stopper.finished.all())
-                left, window_masked, done = flags >> 2, flags >> 1 & 1, flags & 1
+                finished = stopper.finished if rows is None else stopper.finished[rows]
+                # the one host sync of a step: anything left in the block, is its window clean, has every row
+                # stopped, has one of them
+                flags = int(masked.any() * 8 + masked[:, :inputs].any() * 4 + finished.all() * 2 + finished.any())
+                left, window_masked, done, leaving = flags >> 3, flags >> 2 & 1, flags >> 1 & 1, flags & 1
                 if not left:
                     break
+            if rows is not None:  # the text of the rows that left is final in the canvas; bring the others' up to date
+                canvas[rows, prompt_len + start : prompt_len + end] = block
             if stopper.end_block(canvas, prompt_len, end):  # stop strings / criteria (they read the text anyway)
-                done = bool(stopper.finished.all())
-            stopper.stream(block, start)
+                finished = stopper.finished if rows is None else stopper.finished[rows]
+                done, leaving = (bool(x) for x in torch.stack([finished.all(), finished.any()]).tolist())
+            stopper.stream(canvas[:, prompt_len + start : prompt_len + end], start)
             if done:
                 break
             context.commit(window)
+            if leaving and leave:
+                stay = ~finished
+                rows = torch.arange(batch, device=ids.device)[stay] if rows is None else rows[stay]
+                work = work[stay]
+                context.keep_rows(stay, work)
     finally:
         context.close()
     stopper.end()

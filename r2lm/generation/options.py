@@ -21,7 +21,7 @@ from r2lm.generation.sampling import CONFIDENCES
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_THRESHOLD = 0.9
 RULES = ("threshold", "factor", "steps")  # unmasking rules: exactly one applies
-VERIFY_DRAFTS = ("window", "lookup")  # what drafts under verify=True (r2lm.generation.verify)
+VERIFY_DRAFTS = ("window", "lookup", "drafter", "lookup+drafter")  # what drafts under verify=True (generation.drafts)
 # generation_config.json keys that are ours (transformers keeps unknown keys as attributes and saves them)
 DECODING_KEYS = ("block_size", *RULES, "confidence")
 # transformers' own keys that mean the same here
@@ -87,7 +87,8 @@ class Request:
     compile: bool
     verify: bool
     verify_windows: int | None  # verify=True: drafting windows per verification forward (None: block_size + 1)
-    verify_draft: str  # verify=True: what drafts, "window" (the diffusion window) or "lookup" (prompt lookup)
+    verify_draft: str  # verify=True: what drafts (VERIFY_DRAFTS; r2lm.generation.drafts)
+    drafter: object | None  # verify=True: an r2lm.drafter.Drafter for the model
     approximate_cache: str | None
     prefix_cache: object | None
     bicache: object | None
@@ -192,13 +193,21 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
         if not (isinstance(verify_windows, int) and 2 <= verify_windows <= block_size + 1):
             raise ValueError(f"verify_windows must be an int in [2, block_size + 1] = [2, {block_size + 1}], "
                              f"got {verify_windows!r}")
-    verify_draft = o.get("verify_draft") or "window"
+    drafter = o.get("drafter")
+    verify_draft = o.get("verify_draft") or ("lookup+drafter" if drafter is not None else "window")
     if verify_draft not in VERIFY_DRAFTS:
         raise ValueError(f"verify_draft must be one of {VERIFY_DRAFTS}, got {verify_draft!r}")
-    if verify_draft != "window" and not verify:
-        raise ValueError("verify_draft sets how verify=True drafts; pass verify=True")
-    if verify_draft == "lookup" and verify_windows is not None:
-        raise ValueError("verify_windows counts drafting windows; verify_draft='lookup' drafts without any")
+    if (verify_draft != "window" or drafter is not None) and not verify:
+        raise ValueError("verify_draft and drafter set how verify=True drafts; pass verify=True")
+    if verify_draft != "window" and verify_windows is not None:
+        raise ValueError(f"verify_windows counts drafting windows; verify_draft={verify_draft!r} drafts without any")
+    if ("drafter" in verify_draft) != (drafter is not None):
+        raise ValueError(f"verify_draft={verify_draft!r} " + ("needs a drafter (drafter=...)" if drafter is None else
+                         "does not use the drafter given: use verify_draft='drafter' or 'lookup+drafter'"))
+    if drafter is not None:
+        _check_drafter(drafter, config)
+        if "block_size" not in kwargs:  # the drafter's own draft length, unless asked otherwise
+            block_size = drafter.config.block_size
     if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
         block_size = max_new_tokens
         verify_windows = None if verify_windows is None else min(verify_windows, block_size + 1)
@@ -219,7 +228,7 @@ def make_request(model, input_ids, attention_mask=None, generation_config=None, 
         threshold=threshold, factor=factor, steps=steps, confidence=confidence,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id, pad_id=pad_id,
         eos_ids=eos, use_cache=use_cache, compile=compile_, verify=verify, verify_windows=verify_windows,
-        verify_draft=verify_draft,
+        verify_draft=verify_draft, drafter=drafter,
         approximate_cache=approximate_cache,
         prefix_cache=prefix_cache, bicache=bicache, suffix_ids=suffix, stop_strings=stop_strings, tokenizer=tokenizer,
         stopping_criteria=criteria, streamer=o.get("streamer"), step_callback=callback,
@@ -306,6 +315,14 @@ def _token_list(name: str, ids, vocab_size: int) -> list[int]:
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
             raise ValueError(f"{name} {i!r} is not a token id in the vocabulary [0, {vocab_size})")
     return [int(i) for i in ids]
+
+
+def _check_drafter(drafter, config) -> None:
+    from r2lm.drafter import Drafter
+
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"drafter must be an r2lm.drafter.Drafter, got {type(drafter).__name__}")
+    drafter.check_target(config)
 
 
 def _check_prefix_cache(prefix_cache, config, use_cache: bool) -> None:

@@ -44,3 +44,11 @@ class StepInfo:
     confidence: torch.Tensor  # [B, L]
     accepted: torch.Tensor  # [B, L] positions unmasked by this step
     logits: torch.Tensor  # [B, L, V]
+
+
+def spread(x: torch.Tensor, rows: torch.Tensor | None, batch: int, fill) -> torch.Tensor:
+    """Per-row values of the rows still decoding (`rows`: their indices in the batch; None: every row) as a whole
+    batch, `fill` for the rows that left: what a step callback sees once finished rows have left the forwards."""
+    if rows is None or x.shape[0] == batch:
+        return x
+    return x.new_full((batch, *x.shape[1:]), fill).index_copy_(0, rows, x)

@@ -24,18 +24,23 @@ class Stopper:
     def finished(self) -> torch.Tensor:
         return self.stop_at >= 0
 
-    def check_eos(self, block: torch.Tensor, start: int) -> None:
-        """Rows whose block (generated tokens [start, start + L)) holds an EOS with no [MASK] before it stop after
-        that EOS; their still-masked positions become padding (nothing left to decode). No host sync."""
+    def check_eos(self, block: torch.Tensor, start, rows: torch.Tensor | None = None) -> None:
+        """Rows whose block (generated tokens [start, start + L); `start` an int or per row) holds an EOS with no
+        [MASK] before it stop after that EOS; their still-masked positions become padding (nothing left to decode).
+        `rows`: the batch indices of the block's rows when only some rows are still decoding. No host sync."""
         if not self.eos.numel():
             return
         is_eos = torch.isin(block, self.eos)
         cols = torch.arange(block.shape[1], device=block.device)
         first = torch.where(is_eos, cols, block.shape[1]).min(dim=1).values
         clear = ~((block == self.mask_id) & (cols < first[:, None])).any(dim=1)
-        stop = is_eos.any(dim=1) & clear & ~self.finished
-        self.stop_at = torch.where(stop, start + first + 1, self.stop_at)
-        block.masked_fill_(self.finished[:, None] & (block == self.mask_id), self.pad_id)
+        stop_at = self.stop_at if rows is None else self.stop_at[rows]
+        stop_at = torch.where(is_eos.any(dim=1) & clear & (stop_at < 0), start + first + 1, stop_at)
+        if rows is None:
+            self.stop_at = stop_at
+        else:
+            self.stop_at = self.stop_at.index_copy(0, rows, stop_at)
+        block.masked_fill_((stop_at >= 0)[:, None] & (block == self.mask_id), self.pad_id)
 
     def end_block(self, sequences: torch.Tensor, prompt_len: int, end: int) -> bool:
         """After a block is final (generated tokens [0, end) of sequences [B, prompt_len + n]): stop strings and

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from r2lm.layout import Layout
-from r2lm.modeling_r2lm import ForwardPlan
+from r2lm.plan import ForwardPlan
 
 
 def window_layout(width: int, commit: int, device=None) -> Layout:
@@ -77,13 +77,14 @@ class WindowReader:
         self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True,
-             layout: Layout | None = None, head: bool = True) -> torch.Tensor:
+             layout: Layout | None = None, head: bool = True, capture: tuple[int, ...] = ()):
         """Logits of the columns `keep` of ids [B, T], whose `commit` leading columns are clean context, appended
         to the cache (with `advance=False` the caller advances the cache itself, by as many of them as it keeps:
         exact for softmax layers, whose keys are written either way). `layout`: the forward's template when it
         is not `window_layout(T, commit)` (positions relative to the cache's next position); keep passing the
         same object, it is the key of the masks kept for it. `head=False`: the last hidden states of those columns
-        instead, for a caller that applies the LM head only to the columns it turns out to need."""
+        instead, for a caller that applies the LM head only to the columns it turns out to need. `capture`: layer
+        indices whose outputs over every column are returned too, as (out, captured) (a drafter's context)."""
         cache, width = self.cache, ids.shape[1]
         cache.check_room(width)
         shape = self.prepare(width, commit, layout)
@@ -96,11 +97,11 @@ class WindowReader:
             cos=cos, sin=sin, mask=shape.mask[..., :keys], own=shape.own, earlier=shape.earlier, windows=shape.windows,
             columns=cache.columns[length : length + width], keys=keys, commit=commit,
         )
-        out = self._run(ids, plan, cache, keep, head)
+        out, captured = self._run(ids, plan, cache, keep, head, capture)
         if commit and advance:
             cache.advance(commit)
         self.forwards += 1
-        return out
+        return (out, captured) if capture else out
 
     def prepare(self, width: int, commit: int, layout: Layout | None = None) -> _Shape:
         """The kept masks of a forward shape, built on first use (its set-up reads the host once: a caller that
@@ -117,6 +118,7 @@ class WindowReader:
         for shape in self.shapes.values():
             shape.mask = shape.mask[keep]
 
-    def _forward(self, ids, plan: ForwardPlan, cache, keep: slice, head: bool) -> torch.Tensor:
-        h = self.model.model(ids, plan, cache).last_hidden_state[:, keep]
-        return self.model.lm_head(h) if head else h
+    def _forward(self, ids, plan: ForwardPlan, cache, keep: slice, head: bool, capture: tuple[int, ...]):
+        out = self.model.model(ids, plan, cache, capture=capture)
+        h = out.last_hidden_state[:, keep]
+        return (self.model.lm_head(h) if head else h), out.captured

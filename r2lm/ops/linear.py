@@ -1,60 +1,127 @@
-"""y = x W^T + b with a CPU decode fast path; `torch.nn.functional.linear` is the reference.
+"""y = x W^T + b for decoding on a CPU: `torch.nn.functional.linear` (the reference), or the same product computed
+the other way round, (W @ x^T)^T, wherever that measured faster on the machine at hand.
 
 A decode forward multiplies a few rows (the tokens of a step, times the batch) by every weight of the model. On a
 CPU that is memory-bound: the weights are read once whatever the number of rows, so a step of 4 tokens should cost
-about what a step of 1 costs -- the premise of every parallel decoder. MKL's sgemm, as `F.linear` calls it
-(x @ W^T with x of few rows), is far from that: measured with `python -m eval.linear_cost` on this project's
-2-core AVX-512 machines, a forward's products with SmolLM2-135M's weights take about 38 ms at 1 row and 55-80 ms
-at 2-8 rows. The same product computed the other way round, (W @ x^T)^T, comes near memory bandwidth: about
-20-25 ms for 1-4 rows, 30-45 ms for 5-8; from 12 rows on the two cost about the same. A single row is read as two
-(one row dispatches to gemv, the slow path). On a 2-core AVX2 AMD EPYC, with ~3x less memory bandwidth, the
-fast path takes 66-69 ms for 1-4 rows against F.linear's 68 at 1 row and 116-124 at 2-4; at 12 rows (past
-FEW_ROWS) it would run at 0.92x F.linear's speed.
+about what a step of 1 costs -- the premise of every parallel decoder. Whether BLAS gets near that depends on the
+machine: on some, x @ W^T with few rows runs far below memory bandwidth while W @ x^T streams the weight at full
+speed; on others it is the other way round (docs/results.md, "linear_cost", has the figures per machine). So no
+constant decides: each shape class (rows, the weight's shape, torch's thread count) is measured at its first uses
+in this process, inside the forwards that use it (where its weight streams from memory as it will from then on,
+rather than sitting in a cache as it would in a loop over one weight): TRIALS calls time each order, alternating,
+and the faster median wins, the transposed order only by a margin (MARGIN). Until a class is decided, every call
+returns the reference's product, so what a forward computes never depends on a timing in progress. `decisions()`
+reports the choices and their timings (`python -m eval.linear_cost` prints them; the decision is also logged at
+debug level).
 
-Only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched linear) or autocast,
-float32 on CPU and at most FEW_ROWS rows, where it was measured faster. A weight of at most SMALL_WEIGHT elements
-takes it only at 2 to SMALL_WEIGHT_ROWS rows. Such a weight may stay in the cache (every weight of a tiny model such
-as QUICKSTART_TINY's), where F.linear's kernel is the faster one: the fast path costs 2.8x at one row, 1.15x at 2-4,
-1.3-1.6x at 5-8 (192 x 576, AVX2 EPYC). Among a real model's weights it streams from memory like the others:
-SmolLM2-135M's k_proj and v_proj (192 x 576) took 123 us at 4 rows through F.linear in a verify=True forward,
-77 us at one row, and about 60 us at 2-4 rows through the fast path, so verify=True with lookup drafts took 4% less
-time over 8 prompts; at one row and at 5-8 the two are within 5%. The sums are the same products in another order:
-equal to `F.linear` up to float rounding, as any two sgemm blockings are.
+The transposed order applies only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's
+patched linear) or autocast, to float32 on CPU and at most FEW_ROWS rows. Its sums are the same products in another
+order: equal to `F.linear` up to float rounding, as any two sgemm blockings are.
 
-The fast path returns (W @ x^T)^T as it is, a column-major view, not a row-major copy: copying
-a few columns of many rows into rows is a strided gather that costs far more than its size suggests (measured on
-the AVX2 machine: 37 us for 1536 x 4 values, 0.45-0.87 ms for a 4-row lm_head output, against 4 and 30 us for a
-contiguous copy), and the operations that read the output take its strides. Without that copy, AR decoding of
-SmolLM2 (4 prompts, 64 tokens each) took 5.5% less time there, verify=True with lookup drafts 2% less.
-
-An input that is such a view (the MLP's act(gate) * up, elementwise on two of them) is copied into rows before
-its product, the copy the output skipped but of the smaller side (4 x 1536 values, ~20-40 us): W @ x^T with x^T
-row-major makes MKL's sgemm take 2.2x as long as with x^T column-major (AVX2 EPYC, SmolLM2's down_proj at 4
-rows: 735-766 against 340-345 us; 360-377 us copy included), about 12 ms of a 4-row SmolLM2 forward.
+It returns (W @ x^T)^T as it is, a column-major view: copying a few columns of many rows into rows is a strided
+gather that costs more than its size suggests, and the operations that read the output take its strides. An input
+that is such a view (the MLP's act(gate) * up, elementwise on two of them) is copied into rows before its product:
+W @ x^T with x^T row-major is a slow layout for MKL's sgemm.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import statistics
+import time
+
 import torch
 from torch.nn import functional as F
 
-FEW_ROWS = 8  # eval.linear_cost: from 12 rows on both orders cost about the same, or F.linear less
-SMALL_WEIGHT = 1 << 18  # 1 MiB of float32
-SMALL_WEIGHT_ROWS = 4  # the most rows at which a small weight takes the fast path (from 2 on)
+logger = logging.getLogger(__name__)
+
+FEW_ROWS = 16  # above this many rows sgemm's blocking is efficient either way: the reference, unmeasured
+TRIALS = 8  # timed calls of each order per shape class
+MARGIN = 0.95  # the transposed order is chosen only if its median time is below MARGIN x the reference's
+
+_trials: dict[tuple, tuple[list[float], list[float]]] = {}  # class -> (transposed times, reference times)
+_chosen: dict[tuple, bool] = {}  # class -> the transposed order is faster
+_forced: bool | None = None  # forced(): True / False for every eligible call, None: measured
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.device.type != "cpu"
             or any(t.dtype != torch.float32 for t in (x, weight) + (() if bias is None else (bias,)))
-            or not 0 < rows <= FEW_ROWS
-            or (weight.numel() <= SMALL_WEIGHT and not 2 <= rows <= SMALL_WEIGHT_ROWS)):
+            or not 0 < rows <= FEW_ROWS):
         return F.linear(x, weight, bias)
+    if _forced is not None:
+        return transposed(x, weight, bias) if _forced else F.linear(x, weight, bias)
+    key = (rows, *weight.shape, torch.get_num_threads())
+    chosen = _chosen.get(key)
+    if chosen is None:
+        if torch.compiler.is_compiling():  # no timing inside a traced graph
+            return F.linear(x, weight, bias)
+        return _trial(key, x, weight, bias)
+    return transposed(x, weight, bias) if chosen else F.linear(x, weight, bias)
+
+
+def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's product computed as (W @ x^T)^T, returned as that column-major view (see the module docstring)."""
+    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
-    # rows in memory (x^T column-major): another fast path's output, a column-major view, would make x^T row-major,
-    # and MKL's product with a row-major narrow right-hand side takes 2.2x as long (see the docstring)
+    # rows in memory (x^T column-major): another call's output, a column-major view, would make x^T row-major.
+    # A single row is read as two: one row would dispatch to gemv, which is not the kernel measured here.
     flat = torch.cat([flat, flat]) if rows == 1 else flat.contiguous()
     out = torch.mm(weight, flat.t()).t()[:rows]
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])  # a view of the transposed product: see the docstring
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _trial(key: tuple, x, weight, bias) -> torch.Tensor:
+    """One call of an undecided class: time one order (each in its turn, with the weight as the forward left it);
+    return the reference's product either way."""
+    fast, reference = _trials.setdefault(key, ([], []))
+    start = time.perf_counter()
+    if len(fast) < len(reference):
+        transposed(x, weight, bias)
+        fast.append(time.perf_counter() - start)
+        out = F.linear(x, weight, bias)
+    else:
+        out = F.linear(x, weight, bias)
+        reference.append(time.perf_counter() - start)
+    if len(fast) == TRIALS:
+        _chosen[key] = statistics.median(fast) < MARGIN * statistics.median(reference)
+        logger.debug("linear %s rows x %s: transposed %.1f us, F.linear %.1f us (medians of %d): %s", key[0],
+                     tuple(key[1:3]), 1e6 * statistics.median(fast), 1e6 * statistics.median(reference), TRIALS,
+                     "transposed" if _chosen[key] else "F.linear")
+    return out
+
+
+def decisions() -> list[dict]:
+    """Every shape class decided in this process: rows, weight shape, threads, both medians (us), the order used."""
+    out = []
+    for key, chosen in sorted(_chosen.items()):
+        fast, reference = _trials[key]
+        out.append({"rows": key[0], "weight": list(key[1:3]), "threads": key[3],
+                    "transposed_us": round(1e6 * statistics.median(fast), 1),
+                    "f_linear_us": round(1e6 * statistics.median(reference), 1),
+                    "order": "transposed" if chosen else "F.linear"})
+    return out
+
+
+def forget() -> None:
+    """Drop every measurement and decision (the next calls measure again)."""
+    _trials.clear()
+    _chosen.clear()
+
+
+@contextlib.contextmanager
+def forced(order: str):
+    """Within the block every eligible call takes `order` ("transposed" or "reference") without measuring: for
+    tests of either path, and for benchmarks that time one order."""
+    global _forced
+    if order not in ("transposed", "reference"):
+        raise ValueError(f"order must be 'transposed' or 'reference', got {order!r}")
+    previous, _forced = _forced, order == "transposed"
+    try:
+        yield
+    finally:
+        _forced = previous

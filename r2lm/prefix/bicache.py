@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from r2lm.cache import KVCache, cache_signature, weight_fingerprint
+from r2lm.cache import KVCache
 from r2lm.layout import Layout
+from r2lm.prefix.identity import bind
 
 BUCKETS = tuple(i / 20 for i in range(20))  # lower edges of 5%-wide prefix-ratio buckets
 
@@ -221,28 +222,23 @@ class BiCache:
         self.table, self.capacity = table, capacity_tokens
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.stats = Stats()
-        self.signature = None
-        self.weights = None  # weight_fingerprint of the model it serves
+        self.identity = None  # of the model it serves (r2lm.prefix.identity)
 
     def bind(self, model) -> None:
         """Tie the store to one model, its configuration and its weights (entries hold its K/V; the table its
-        depths); another model's requests are refused."""
+        depths); a model that differs from the one bound is refused (every call checks: r2lm.prefix.identity)."""
         _check_model(model)
         config = model.config
         if self.table.num_layers != config.num_hidden_layers:
             raise ValueError(f"the safe-depth table was profiled for {self.table.num_layers} layers, the model has "
                              f"{config.num_hidden_layers}")
-        signature = (cache_signature(config), config.attention, config.hidden_size, config.vocab_size)
-        weights = weight_fingerprint(model)
-        if self.signature is None:
-            self.signature, self.weights = signature, weights
-        elif signature != self.signature:
-            raise ValueError("this BiCache holds prefixes of a model with a different configuration")
-        elif weights != self.weights:
-            raise ValueError(
-                f"this BiCache holds prefixes of a model with other weights (weight fingerprint {self.weights} vs "
-                f"{weights}): use one BiCache per model, and a new one after changing a model's weights"
-            )
+        self.identity = bind(self.identity, model, "BiCache")
+
+    def clear(self) -> None:
+        """Forget every stored prefix and the model: the next call binds the store anew (e.g. to the same model after
+        its weights changed; the table, profiled on the old weights, stays: profile again if they changed much)."""
+        self.entries.clear()
+        self.identity = None
 
     @property
     def tokens(self) -> int:
@@ -323,6 +319,11 @@ class Reuse:
     @property
     def prefix_len(self) -> int:
         return self.entry.length
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only the rows `keep` go on decoding (finished rows leave the batch)."""
+        self.columns, self.rest_mask = self.columns[keep], self.rest_mask[keep]
+        self.cache.keep_rows(keep)
 
     def logits(self, canvas: torch.Tensor) -> torch.Tensor:
         """[B, W - P, V]: logits of the rest columns; canvas column c >= padding + P is rest column c - P."""

@@ -2,15 +2,24 @@
 
 Token blocks of `block_tokens` form a tree keyed by chained hashes of (parent key, block tokens), as in vLLM;
 a hit compares the stored tokens too, so a hash collision is a miss, never a wrong answer. Each block holds the
-keys and values of its tokens for every softmax layer, computed as clean context (exact: a committed token's
-K/V depend only on tokens to its left and in its chunk). Block-hybrid layers have no per-token keys: their
-(S, Z) state is kept as sparse checkpoints at positions chosen by the exact dynamic program over the observed
-distribution of match depths (r2lm.prefix.placement); a hit resumes from the deepest checkpoint it reaches and
-recomputes the rest exactly.
+keys and values of its tokens for every softmax layer, computed as clean context (exact in arithmetic, see
+Exactness below: a committed token's K/V depend only on tokens to its left and in its chunk). Block-hybrid layers
+have no per-token keys: their (S, Z) state is kept as sparse checkpoints at positions chosen by the exact dynamic
+program over the observed distribution of match depths (r2lm.prefix.placement); a hit resumes from the deepest
+checkpoint it reaches and recomputes the rest.
 
-A cache serves one model: its configuration and its weights (r2lm.cache.weight_fingerprint), bound by the first
-request. Another model's requests, or this model's once its weights changed, are refused rather than served keys
-and values computed by other weights: use one PrefixCache per model, and a new one after training it further.
+A cache serves one model: every config field that can change its forward and every bit of its weights
+(r2lm.prefix.identity), taken by the first request and checked again by every later one. Another model's requests,
+or this model's once anything of it changed (an optimizer step, merge_and_unload, an edit through .data), are
+refused rather than served keys and values computed by other weights: use one PrefixCache per model, or clear() it
+after changing the model.
+
+Exactness. The cache adds no error of its own: the keys, values and hybrid states a hit reads are bit-identical to
+the ones the request that stored them computed. Decoding with a PrefixCache (even an empty one) is exact up to
+float rounding, not bit-exact, against decoding without one: it computes the same function with differently shaped
+matrix products (each row prefilled alone rather than in a padded batch, a prompt's uncached rest as its own
+piece, hybrid rows in pieces ending at their checkpoints), and kernels round by shape. Logits agree to rounding
+error; a token whose top-2 logits are closer than that can flip (tests/test_prefix_cache.py tests both claims).
 
 Blocks in use by a running request are pinned by reference counts; only unpinned leaves (no cached children)
 can be evicted, in the order of an LRU or ARC policy (r2lm.prefix.eviction).
@@ -26,8 +35,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from r2lm.cache import cache_signature, weight_fingerprint
 from r2lm.prefix.eviction import make_policy
+from r2lm.prefix.identity import bind
 from r2lm.prefix.placement import DepthHistogram, place_checkpoints
 
 
@@ -68,42 +77,40 @@ class PrefixCache:
             raise ValueError(f"capacity_tokens {capacity_tokens} is below one block of {block_tokens} tokens")
         self.block_tokens = block_tokens
         self.capacity = capacity_tokens // block_tokens  # in blocks
-        self.policy = make_policy(policy, self.capacity)
+        self.policy_name = policy
         self.checkpoints_per_sequence = checkpoints
-        # Match depths, in blocks (a match is a whole number of blocks): of every lookup, and per first block,
-        # i.e. per cached entry, for the most recently seen `max_roots` entries.
         self.max_blocks = max_depth // block_tokens
-        self.depths = DepthHistogram(self.max_blocks)
-        self.root_depths: OrderedDict[int, DepthHistogram] = OrderedDict()
         self.max_roots = max_roots
         self.blocks: dict[int, Block] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every block, every statistic and the model: the next request binds the cache anew (e.g. to the
+        same model after its weights changed). Not while a request holds blocks."""
+        if any(block.refs for block in self.blocks.values()):
+            raise ValueError("cannot clear a PrefixCache while a request is using its blocks")
+        self.policy = make_policy(self.policy_name, self.capacity)
+        # Match depths, in blocks (a match is a whole number of blocks): of every lookup, and per first block,
+        # i.e. per cached entry, for the most recently seen `max_roots` entries.
+        self.depths = DepthHistogram(self.max_blocks)
+        self.root_depths: OrderedDict[int, DepthHistogram] = OrderedDict()
+        self.blocks = {}
         self.stats = Stats()
-        self.signature = None
-        self.weights = None  # weight_fingerprint of the model it serves
+        self.identity = None  # of the model it serves (r2lm.prefix.identity)
 
     # ------------------------------------------------------------------ the model it serves
 
     def bind(self, model) -> None:
-        """Tie the cache to one model, its configuration and its weights; another model's requests are refused."""
-        config = model.config
-        signature = (cache_signature(config), config.attention, config.prediction, config.block_size,
-                     config.vocab_size, config.hidden_size)
-        weights = weight_fingerprint(model)
-        if self.signature is None:
+        """Tie the cache to one model, its configuration and its weights (every request calls this: it reads every
+        weight once, at about the cost of one batch-1 forward); a model that differs from the one bound is refused."""
+        if self.identity is None:
+            config = model.config
             if self._chunked(config) and config.block_size % self.block_tokens:
                 raise ValueError(
                     f"block_tokens {self.block_tokens} must divide the model's block_size {config.block_size}: its "
                     "prompts are committed block by block, and cached keys are only reusable up to a block boundary"
                 )
-            self.signature, self.weights = signature, weights
-        elif signature != self.signature:
-            raise ValueError("this PrefixCache holds keys of a model with a different configuration")
-        elif weights != self.weights:
-            raise ValueError(
-                "this PrefixCache holds keys and values of a model with other weights (same configuration, weight "
-                f"fingerprint {self.weights} vs {weights}): use one PrefixCache per model, and a new one after "
-                "changing a model's weights"
-            )
+        self.identity = bind(self.identity, model, "PrefixCache")
 
     @staticmethod
     def _chunked(config) -> bool:

@@ -1,0 +1,334 @@
+"""A drafter for lossless verified decoding of a frozen pretrained target (DESIGN 4, drafters; notes/drafting.md).
+
+The direction DFlash and EAGLE-3 took: a light model that reads the target's own context features and drafts a
+block in one pass, at a fraction of a target forward's cost, so that the target's verification forward commits
+several of its own greedy tokens at once. Whatever it drafts, the committed text is the target's.
+
+    context   the target's residual stream after `feature_layers` (low, middle and high layers), at every
+              committed token but the last: each layer's output normalised, concatenated, fused by one linear map
+              and an RMSNorm, then projected by each drafter layer's own key / value projections into its cache
+              ("KV injection": the drafter never runs its layers over the context, it reads what the target
+              computed, appended a verification at a time)
+    block     [last committed token, [MASK] * (b - 1)] at the next b positions: the token through the target's
+              (frozen, shared) embeddings, [MASK] as a learnt vector; `num_hidden_layers` decoder layers of the
+              target's width read the context cache and the block (in-block attention bidirectional or causal,
+              optionally the reverse Mamba sidecar over the block: R2LM's layers, r2lm.layers)
+    output    the target's final-norm-free LM head rows of a draft vocabulary (the `draft_vocab_size` tokens most
+              frequent in the training data, EOS among them; all of them when 0): block column j proposes the
+              token after the one j positions past the block's first
+
+A drafter is saved on its own (`save_pretrained`: its layers, fusion, mask vector and draft vocabulary, not the
+target's weights) and bound to its target at use (`bind`), which refuses a target of another hidden size,
+vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (the target frozen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import initialization as init
+
+from r2lm.cache import KVCache
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.diffusion import Loss
+from r2lm.layers import RMSNorm, RotaryEmbedding
+from r2lm.layers.linear import Linear
+from r2lm.layout import Layout
+from r2lm.plan import ForwardPlan, plan_of
+
+IN_BLOCK = ("bidirectional", "causal")
+
+
+class DrafterConfig(PretrainedConfig):
+    """The drafter's shape and the target it was made for.
+
+    target_hidden_size, target_vocab_size, target_num_hidden_layers: the target's (checked by `bind`).
+    feature_layers: target layer indices whose outputs are the context features.
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, hidden_act,
+    rms_norm_eps, rope_parameters, max_position_embeddings, qk_norm: the drafter's decoder layers (the target's
+    attention geometry and RoPE by default: `for_target`).
+    block_size: the draft length b. in_block: "bidirectional" or "causal" attention inside the block.
+    sidecar: a reverse Mamba sidecar over the block on every drafter layer (sidecar_d_state, sidecar_headdim,
+    sidecar_expand: its shape). draft_vocab_size: the rows of the LM head it drafts from (0: every token)."""
+
+    model_type = "r2lm_drafter"
+
+    def __init__(self, target_hidden_size: int = 576, target_vocab_size: int = 49153, target_num_hidden_layers: int = 30,
+                 feature_layers=(2, 8, 15, 22, 29), num_hidden_layers: int = 1, num_attention_heads: int = 9,
+                 num_key_value_heads: int = 3, head_dim: int = 64, intermediate_size: int = 1536,
+                 hidden_act: str = "silu", rms_norm_eps: float = 1e-5, rope_parameters: dict | None = None,
+                 max_position_embeddings: int = 8192, qk_norm: bool = False, block_size: int = 8,
+                 in_block: str = "bidirectional", sidecar: bool = False, sidecar_d_state: int = 32,
+                 sidecar_headdim: int = 64, sidecar_expand: int = 1, draft_vocab_size: int = 0,
+                 initializer_range: float = 0.02, **kwargs):
+        self.target_hidden_size, self.target_vocab_size = target_hidden_size, target_vocab_size
+        self.target_num_hidden_layers = target_num_hidden_layers
+        self.feature_layers = list(feature_layers)
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads, self.head_dim, self.intermediate_size = num_key_value_heads, head_dim, intermediate_size
+        self.hidden_act, self.rms_norm_eps = hidden_act, rms_norm_eps
+        self.rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        self.max_position_embeddings, self.qk_norm, self.block_size = max_position_embeddings, qk_norm, block_size
+        self.in_block, self.sidecar = in_block, sidecar
+        self.sidecar_d_state, self.sidecar_headdim, self.sidecar_expand = sidecar_d_state, sidecar_headdim, sidecar_expand
+        self.draft_vocab_size, self.initializer_range = draft_vocab_size, initializer_range
+        super().__init__(**kwargs)
+        self._check()
+
+    def _check(self) -> None:
+        for name in ("target_hidden_size", "target_vocab_size", "target_num_hidden_layers", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "block_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.feature_layers or any(not isinstance(i, int) or not 0 <= i < self.target_num_hidden_layers
+                                          for i in self.feature_layers):
+            raise ValueError(f"feature_layers must be target layer indices in [0, {self.target_num_hidden_layers}), "
+                             f"got {self.feature_layers!r}")
+        if len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(f"feature_layers lists a layer twice: {self.feature_layers}")
+        if self.in_block not in IN_BLOCK:
+            raise ValueError(f"in_block must be one of {IN_BLOCK}, got {self.in_block!r}")
+        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}], got {self.draft_vocab_size!r}")
+        self.stack_config()  # the layers' own checks (heads, sidecar shape)
+
+    @classmethod
+    def for_target(cls, target_config, **choices) -> DrafterConfig:
+        """A drafter config with the target's width, attention geometry and RoPE; `choices` override the rest."""
+        fields = dict(target_hidden_size=target_config.hidden_size, target_vocab_size=target_config.vocab_size,
+                      target_num_hidden_layers=target_config.num_hidden_layers,
+                      num_attention_heads=target_config.num_attention_heads,
+                      num_key_value_heads=target_config.num_key_value_heads, head_dim=target_config.head_dim,
+                      intermediate_size=target_config.intermediate_size, hidden_act=target_config.hidden_act,
+                      rms_norm_eps=target_config.rms_norm_eps, rope_parameters=target_config.rope_parameters,
+                      max_position_embeddings=target_config.max_position_embeddings, qk_norm=target_config.qk_norm)
+        layers = target_config.num_hidden_layers
+        fields["feature_layers"] = sorted({round(x * (layers - 1) / 4) for x in range(5)})  # low to high, evenly
+        fields.update(choices)
+        return cls(**fields)
+
+    def stack_config(self) -> R2LMConfig:
+        """The R2LMConfig of the drafter's decoder layers (no embedding of their own: they read hidden states)."""
+        return R2LMConfig(vocab_size=1, hidden_size=self.target_hidden_size, intermediate_size=self.intermediate_size,
+                          num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                          num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                          hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps,
+                          rope_parameters=self.rope_parameters, max_position_embeddings=self.max_position_embeddings,
+                          qk_norm=self.qk_norm, attention="block_causal" if self.in_block == "bidirectional" else "causal",
+                          block_size=self.block_size,
+                          sidecar_layers=list(range(self.num_hidden_layers)) if self.sidecar else [],
+                          sidecar_d_state=self.sidecar_d_state, sidecar_headdim=self.sidecar_headdim,
+                          sidecar_expand=self.sidecar_expand, sidecar_chunk_size=max(self.block_size, 1))
+
+
+class Drafter(PreTrainedModel):
+    config_class = DrafterConfig
+    base_model_prefix = "drafter"
+    _no_split_modules = ["R2LMDecoderLayer"]
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        from r2lm.modeling_r2lm import R2LMDecoderLayer
+
+        self.stack = config.stack_config()
+        self.stack._attn_implementation = "sdpa"
+        width = config.target_hidden_size
+        self.fuse = Linear(len(config.feature_layers) * width, width, bias=False)
+        self.fuse_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(R2LMDecoderLayer(self.stack, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.stack)
+        self.mask_embedding = nn.Parameter(torch.zeros(width))
+        size = config.draft_vocab_size or config.target_vocab_size
+        self.register_buffer("draft_ids", torch.arange(size), persistent=True)  # target ids of the draft vocabulary
+        self.target = None  # (embeddings, LM head rows of the draft vocabulary): set by bind()
+        self._bound_to = None  # which target (and which version of its head) `target` was read from
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, made strict as R2LMForDiffusionLM's: a folder's weights are checked against
+        its checksums.sha256, and a missing or unexpected weight is refused, naming it."""
+        from pathlib import Path
+
+        from r2lm.checkpoints import check_weights
+        from r2lm.modeling_r2lm import refuse_partial_load
+
+        folder = Path(pretrained_model_name_or_path)
+        if folder.is_dir():
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"{folder} is not a drafter folder (no config.json): train one with train/pretrain.py "
+                                 "objective=drafter (its final/)")
+            check_weights(folder)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        refuse_partial_load(info, pretrained_model_name_or_path)
+        return model
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            init.normal_(self.mask_embedding, std=self.config.initializer_range)
+            for layer in self.layers:
+                if layer.sidecar is not None:
+                    init.constant_(layer.sidecar.gate, 0.5)  # a drafter's sidecar starts open: it learns from step 0
+
+    # ------------------------------------------------------------------ the target
+
+    def check_target(self, target_config) -> None:
+        """Refuse a target of another hidden size, vocabulary or layer count than the one the drafter was made for."""
+        config, tc = self.config, target_config
+        differ = [f"{what} {ours} (the drafter's target) vs {theirs}" for what, ours, theirs in (
+            ("hidden size", config.target_hidden_size, tc.hidden_size),
+            ("vocabulary", config.target_vocab_size, tc.vocab_size),
+            ("layer count", config.target_num_hidden_layers, tc.num_hidden_layers)) if ours != theirs]
+        if differ:
+            raise ValueError(f"this drafter was made for another target: {'; '.join(differ)}")
+
+    def bind(self, target) -> Drafter:
+        """Read the target's embeddings and LM head (shared, not copied into the drafter's weights; the head's draft
+        rows are gathered once per target). Refuses a target of another shape."""
+        self.check_target(target.config)
+        head = target.lm_head.weight.detach()
+        if self.target is not None and self._bound_to == (id(target), head.data_ptr(), head._version):
+            return self
+        self._bound_to = (id(target), head.data_ptr(), head._version)
+        self.target = (target.model.embed_tokens, head.index_select(0, self.draft_ids.to(head.device)))
+        return self
+
+    def _bound(self):
+        if self.target is None:
+            raise ValueError("the drafter reads its target's embeddings and LM head: call drafter.bind(target) first")
+        return self.target
+
+    # ------------------------------------------------------------------ context
+
+    def features(self, captured) -> torch.Tensor:
+        """Fused context features [B, T, hidden] from the target's captured layer outputs (each [B, T, hidden])."""
+        parts = [h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) for h in captured]
+        return self.fuse_norm(self.fuse(torch.cat(parts, -1)))
+
+    def new_cache(self, batch: int, max_length: int) -> KVCache:
+        return KVCache(self.stack, batch, max_length, self.fuse.weight.dtype, self.fuse.weight.device)
+
+    def append(self, cache: KVCache, captured, valid: torch.Tensor | int) -> None:
+        """Append committed tokens' context to the cache: `captured` the target's outputs at feature_layers for
+        them ([B, T, hidden] each), `valid` [B, T] which of the T columns are real (or an int: all of them)."""
+        c = self.features(captured)
+        mask = torch.ones(c.shape[:2], dtype=torch.long, device=c.device) if isinstance(valid, int) else valid.long()
+        layout = Layout.span(mask, start=cache.next_position)
+        cos, sin = self.rotary_emb(c, layout.positions)
+        columns = cache.columns[cache.length : cache.length + c.shape[1]]
+        for i, layer in enumerate(self.layers):
+            _, k, v = layer.self_attn.project(layer.input_layernorm(c), cos, sin)
+            cache.update(i, k, v, columns, cache.length + c.shape[1])
+        cache.advance(valid if isinstance(valid, int) else valid.bool())
+
+    # ------------------------------------------------------------------ drafting
+
+    def block_inputs(self, openers: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width, hidden]: each opener token's target embedding, then the [MASK] vector."""
+        embed, _ = self._bound()
+        first = embed(openers.reshape(-1, 1)).detach()  # the target's: frozen
+        return torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
+
+    def hidden(self, h: torch.Tensor, plan, cache: KVCache) -> torch.Tensor:
+        for layer in self.layers:
+            h, _ = layer(h, plan, cache)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [..., draft vocab]."""
+        return F.linear(h, self._bound()[1])
+
+    @torch.no_grad()
+    def draft(self, cache: KVCache, openers: torch.Tensor) -> torch.Tensor:
+        """Target token ids [B, b] drafted after the cached context and the opener token [B] (the last committed one):
+        column j is the guess for the token j + 1 positions after it. The cache is read, not changed."""
+        b = self.config.block_size
+        layout = Layout.span(torch.ones(openers.shape[0], b, dtype=torch.long, device=openers.device),
+                             start=cache.next_position, noisy=True, chunk=1)
+        plan = plan_of(self.stack, self.rotary_emb, layout, cache, like=self.fuse.weight)
+        h = self.hidden(self.block_inputs(openers, b), plan, cache)
+        return self.draft_ids[self.logits(h).argmax(-1)]
+
+    # ------------------------------------------------------------------ training
+
+    def forward(self, captured, ids, valid, starts, blocks: int, generator=None, decay: float = 0.8) -> DraftLoss:
+        """The drafting loss (`loss`): what a DeepSpeed engine around the drafter calls."""
+        return self.loss(captured, ids, valid, starts, blocks, generator, decay)
+
+    def draft_index(self) -> torch.Tensor:
+        """[target vocabulary]: each target token's row in the draft vocabulary, -1 for the tokens outside it."""
+        index = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=self.draft_ids.device)
+        return index.index_copy_(0, self.draft_ids, torch.arange(len(self.draft_ids), device=index.device))
+
+    def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, blocks: int,
+             generator: torch.Generator | None = None, decay: float = 0.8) -> DraftLoss:
+        """The drafting loss of a batch of the target's own text (DFlash's recipe, notes/drafting.md).
+
+        ids [B, T] right-padded (valid [B, T]); captured: the target's outputs at feature_layers over them (the
+        frozen target's forward, or a cache of it); starts [B]: each row's first generated token (the target's own
+        reply: drafts are only ever asked to continue it). Up to `blocks` anchors a per row, drawn at random among
+        the positions whose block predicts at least one generated token, each opening a block [x_a, [MASK] * (b-1)]
+        that reads the context of x_0 .. x_{a-1} (what decoding holds before that block) and predicts x_{a+1} ..
+        x_{a+b}: cross-entropy over the draft vocabulary, column j weighted by decay^j (an early token gates every
+        later one's acceptance). Targets outside the draft vocabulary or the text are not scored."""
+        b, (batch, length) = self.config.block_size, ids.shape
+        device = ids.device
+        lengths = valid.sum(1)
+        positions = torch.arange(length, device=device)
+        allowed = (positions >= (starts - 1).clamp(min=0)[:, None]) & (positions <= lengths[:, None] - 2)
+        score = torch.rand(batch, length, generator=generator, device=device).masked_fill(~allowed, -1.0)
+        count = min(blocks, length)
+        top = score.topk(count, dim=1)
+        anchors, used = top.indices, top.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
+        cache = KVCache(self.stack, batch, length + count * b, self.fuse.weight.dtype, device)
+        self.append(cache, captured, valid)
+        offsets = torch.arange(b, device=device)
+        at = (anchors[..., None] + offsets).flatten(1)  # [B, n * b]: each block column's position
+        first = (offsets == 0).expand(batch, count, b).flatten(1)
+        embed, head = self._bound()
+        inputs = torch.where(first[..., None], embed(ids.gather(1, at.clamp(max=length - 1))).detach(),
+                             self.mask_embedding.to(head.dtype))  # the target's embeddings: frozen
+        block = torch.arange(count, device=device).repeat_interleave(b)
+        own = block[:, None] == block[None, :]
+        if self.config.in_block == "causal":
+            own &= offsets.repeat(count)[None, :] <= offsets.repeat(count)[:, None]
+        context = (positions[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]) & valid[:, None, :].bool()
+        mask = torch.cat([context, own.expand(batch, -1, -1)], 2)[:, None]
+        cos, sin = self.rotary_emb(head, at)
+        windows = (torch.arange(count * b, device=device).view(count, b)) if self.config.sidecar else None
+        plan = ForwardPlan(cos=cos, sin=sin, mask=mask, windows=windows,
+                           columns=cache.columns[length : length + count * b], keys=length + count * b)
+        logits = self.logits(self.hidden(inputs, plan, cache)).float()  # [B, n * b, draft vocab]
+        target_at = at + 1
+        targets = ids.gather(1, target_at.clamp(max=length - 1))
+        targets = self.draft_index()[targets]
+        scored = (target_at < lengths[:, None]) & used.repeat_interleave(b, 1) & (targets >= 0)
+        weight = (decay ** offsets.float()).repeat(count)[None, :] * scored
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view_as(weight)
+        right = (logits.argmax(-1) == targets) & scored
+        # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
+        # (a block whose text ends early counts the guesses it has)
+        leading = right.view(batch, count, b).long().cumprod(-1).sum(-1)
+        blocks_used = used.sum().clamp(min=1)
+        tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
+        scored_count = int(scored.sum())
+        return DraftLoss(loss=(ce * weight).sum() / weight.sum().clamp(min=1e-6), tokens=scored_count,
+                         masked=scored_count, tau=tau.detach(),
+                         first_right=(right.view(batch, count, b)[..., 0] & used).sum().float() / blocks_used)
+
+
+@dataclass
+class DraftLoss(Loss):
+    tau: torch.Tensor | None = None  # committed tokens per verification forward, were these blocks verified
+    first_right: torch.Tensor | None = None  # share of blocks whose first guess is right
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        return {"tau": self.tau, "first_right": self.first_right}
