@@ -204,13 +204,18 @@ class Drafter(PreTrainedModel):
     def _bound(self):
         if self.target is None:
             raise ValueError("the drafter reads its target's embeddings and LM head: call drafter.bind(target) first")
+        embed, head = self.target
+        like = self.fuse.weight
+        if head.dtype != like.dtype or head.device != like.device:  # the drafter moved or was cast since bind()
+            self.target = embed, head.to(device=like.device, dtype=like.dtype)
         return self.target
 
     # ------------------------------------------------------------------ context
 
     def features(self, captured) -> torch.Tensor:
         """Fused context features [B, T, hidden] from the target's captured layer outputs (each [B, T, hidden])."""
-        parts = [h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) for h in captured]
+        dtype = self.fuse.weight.dtype
+        parts = [(h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) for h in captured]
         return self.fuse_norm(self.fuse(torch.cat(parts, -1)))
 
     def new_cache(self, batch: int, max_length: int) -> KVCache:
@@ -233,8 +238,8 @@ class Drafter(PreTrainedModel):
 
     def block_inputs(self, openers: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width, hidden]: each opener token's target embedding, then the [MASK] vector."""
-        embed, _ = self._bound()
-        first = embed(openers.reshape(-1, 1)).detach()  # the target's: frozen
+        embed, head = self._bound()
+        first = embed(openers.reshape(-1, 1)).detach().to(head.dtype)  # the target's: frozen
         return torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
 
     def hidden(self, h: torch.Tensor, plan, cache: KVCache) -> torch.Tensor:
@@ -294,7 +299,7 @@ class Drafter(PreTrainedModel):
         at = (anchors[..., None] + offsets).flatten(1)  # [B, n * b]: each block column's position
         first = (offsets == 0).expand(batch, count, b).flatten(1)
         embed, head = self._bound()
-        inputs = torch.where(first[..., None], embed(ids.gather(1, at.clamp(max=length - 1))).detach(),
+        inputs = torch.where(first[..., None], embed(ids.gather(1, at.clamp(max=length - 1))).detach().to(head.dtype),
                              self.mask_embedding.to(head.dtype))  # the target's embeddings: frozen
         block = torch.arange(count, device=device).repeat_interleave(b)
         own = block[:, None] == block[None, :]

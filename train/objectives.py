@@ -7,8 +7,8 @@ nothing else branches on its name.
 
 An objective checks the config against the model before any work (`check`), builds the module DeepSpeed trains
 (`module`), its data (`data`), the loss of one batch (`loss`: a r2lm.diffusion.Loss, whose `metrics()` are logged
-beside it), what a checkpoint holds beside the shards (`write_extras`), the export (`export`) and what is written
-once training ends (`finish`).
+beside it), what a checkpoint holds beside the shards (`write_extras`), the export (`export`), what is written
+once training ends (`finish`) and what a held-out evaluation's log line adds to its loss (`eval_note`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 class Objective:
     eval_at_start = False  # evaluate before the first step (attention transfer reports its MSE before and after)
-    lora = True  # LoRA adapters (train/lora.py) can wrap the module
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -69,6 +68,10 @@ class Objective:
 
     def finish(self, run_dir: Path, model_config) -> None:
         """After the last step of a completed run (rank 0)."""
+
+    def eval_note(self, record: dict) -> str:
+        """What the log line of a held-out evaluation adds to its loss (attention transfer: each layer's MSE)."""
+        return ""
 
 
 class Diffusion(Objective):
@@ -133,6 +136,9 @@ class AttentionTransfer(Diffusion):
         if cfg.complementary:
             raise ValueError("complementary masks exist for the block objective only (and certainty, which always "
                              "uses them)")
+        if cfg.lora.enabled:
+            raise ValueError("lora.enabled does not combine with objective attention_transfer: stage 1 trains only the "
+                             "feature maps and gates; LoRA is stage 2 (objective block, from stage 1's export)")
 
     def module(self, model_dir: Path, plan):
         from train.transfer import AttentionTransferLM, freeze_for_transfer
@@ -155,11 +161,13 @@ class AttentionTransfer(Diffusion):
 
         write_summary(run_dir, read_metrics(run_dir, "eval"), model_config, self.cfg.steps)
 
+    def eval_note(self, record: dict) -> str:
+        return "".join(f", layer {key.rsplit('_', 1)[1]} MSE {value:.4g}" for key, value in record.items()
+                       if key.startswith("eval_mse_layer_"))
+
 
 class Drafting(Objective):
     """A drafter for the frozen model `model` (train/drafter.py): only the drafter trains; final/ is the drafter."""
-
-    lora = False
 
     def check(self, config) -> None:
         from r2lm.drafter import DrafterConfig
@@ -221,6 +229,8 @@ class Drafting(Objective):
         return Data(train, heldout, eos_id, len(self.records))
 
     def loss(self, engine, batch, generator, model_config):
+        if self.target.device != engine.device:  # the frozen target sits beside the drafter DeepSpeed placed
+            self.target.to(engine.device)
         captured = [h.to(engine.device) for h in self.features(batch)]
         section = self.cfg.drafter
         return engine(captured, batch["ids"].to(engine.device), batch["valid"].to(engine.device),

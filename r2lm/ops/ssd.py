@@ -20,7 +20,7 @@ Shapes: x [B, L, H, P], dt [B, L, H], A [H], B and C [B, L, G, N] with G dividin
 import torch
 import torch.nn.functional as F
 
-from r2lm.ops.kernels import optional_import
+from r2lm.ops.kernels import optional_import, wants_fast_path
 
 
 def _discretise(dt, dt_bias):
@@ -153,12 +153,13 @@ def _upper(T: int, diagonal: int, device) -> torch.Tensor:
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, reverse: bool = False):
-    """SSD scan: mamba_ssm's `mamba_chunk_scan_combined` on CUDA when installed, else `ssd_window_ref` for a
-    sequence that fits in one chunk and `ssd_chunk_scan_ref` for a longer one."""
-    if x.is_cuda and (fn := optional_import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")):
-        if reverse:  # the kernel scans left to right only
-            return ssd_scan(*(t.flip(1) for t in (x, dt)), A, *(t.flip(1) for t in (B, C)), chunk_size, D, dt_bias).flip(1)
-        return fn(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+    """SSD scan: mamba_ssm's `mamba_chunk_scan_combined` on CUDA when installed (r2lm.ops.kernels), else
+    `ssd_window_ref` for a sequence that fits in one chunk and `ssd_chunk_scan_ref` for a longer one."""
+    if wants_fast_path(x) and (fn := optional_import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")):
+        if reverse:  # the kernel scans left to right only: scan the flipped sequence, flip the result back
+            x, dt, B, C = (t.flip(1) for t in (x, dt, B, C))
+        y = fn(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
+        return y.flip(1) if reverse else y
     if x.shape[1] <= chunk_size:
         return ssd_window_ref(x, dt, A, B, C, D=D, dt_bias=dt_bias, reverse=reverse)
     if reverse:
