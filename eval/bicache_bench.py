@@ -1,7 +1,7 @@
 """BiCache on a trained bidirectional model: profile the safe-depth table, then decode a document-QA workload with
 and without the shared-document reuse, and measure what the approximation costs.
 
-    python eval/bicache_bench.py --model /tmp/bidir_run/final --corpus /tmp/c [--out runs/bicache_bench]
+    python -m eval.bicache_bench --model /tmp/bidir_run/final --corpus /tmp/c [--out runs/bicache_bench]
 
 - Profile (r2lm.prefix.profile) on the first half of the held-out text: prefixes of several lengths, each followed
   by `--question-tokens` of real text and `--new-tokens` [MASK]s, as a request looks at decode time. One table per tau.
@@ -143,7 +143,8 @@ def masked_scores(model, samples, args, tables):
     predictions depend on the prefix at all. A reuse error is small or large relative to that."""
     L, mask_id, q = model.config.num_hidden_layers, model.config.mask_token_id, args.question_tokens
     # the columns that predict the continuation after[q:]: its own under inplace (LLaDA), one earlier under shift
-    predicting = slice(q - 1, -1) if model.config.prediction == "shift" else slice(q, None)
+    lead = model.config.kind.lead
+    predicting = slice(q - lead, -lead or None)
     gen = torch.Generator().manual_seed(0)
     same_length = {}
     for prefix, _ in samples:
@@ -227,9 +228,9 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = R2LMForDiffusionLM.from_pretrained(args.model).eval()
-    if model.config.attention != "bidirectional":
+    if model.config.kind.exact_cache:
         raise SystemExit(f"{args.model} is a {model.config.attention} model; BiCache is for bidirectional ones")
-    if model.config.prediction == "shift" and args.question_tokens < 1:
+    if model.config.kind.shift and args.question_tokens < 1:
         raise SystemExit("--question-tokens must be >= 1 for a shift model: the token before the continuation predicts it")
     L, mask_id = model.config.num_hidden_layers, model.config.mask_token_id
     profile_half, eval_half = halves(tokenizer, args.corpus / "heldout.txt")

@@ -19,8 +19,8 @@ import random
 import torch
 from tqdm import tqdm
 
-from eval.likelihood import eval_mode, load_model, read_texts, write_result
-from r2lm.scoring import score_choices
+from eval.common import load_model, read_texts, write_result
+from r2lm.scoring import eval_mode, score_choices
 
 logger = logging.getLogger("eval.cloze")
 

@@ -61,8 +61,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.likelihood import MODES, describe, eos_of, eval_mode, load_model, read_texts, write_result
+from eval.common import describe, eos_of, load_model, read_texts, write_result
 from r2lm import generate
+from r2lm.scoring import MODES, eval_mode
 
 logger = logging.getLogger("eval.downstream")
 
@@ -131,7 +132,7 @@ def run_infilling(model, tokenizer, texts: list[str], mode: str = "auto", span_l
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     items = infill_items(tokenizer, texts, span_lengths, right_context, left_context, max_items=max_items, seed=seed,
                          eos_id=eos)
-    if mode == "block" and 1 + max(span_lengths) + right_context > b + (model.config.prediction != "shift"):
+    if mode == "block" and 1 + max(span_lengths) + right_context > b + 1 - model.config.kind.lead:
         logger.warning("span + right context exceed one window of %d columns: right-context tokens past the span's "
                        "window are invisible to the span (block factorisation)", b)
     device = model.device

@@ -42,15 +42,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from r2lm import Layout, R2LMConfig, R2LMForDiffusionLM, dual_stream  # noqa: E402
-from r2lm.layers.hybrid import HybridParts  # noqa: E402
-from r2lm.ops import causal_conv1d, ssd_recurrent_ref, ssd_scan  # noqa: E402
-from r2lm.ops.attention import attention  # noqa: E402
-from r2lm.ops.flex import block_sparse, flex_attention  # noqa: E402
-from r2lm.ops.kernels import optional_import  # noqa: E402
+from r2lm import Layout, R2LMConfig, R2LMForDiffusionLM, dual_stream
+from r2lm.kind import SHIFT
+from r2lm.layers.hybrid import HybridParts
+from r2lm.ops import causal_conv1d, ssd_recurrent_ref, ssd_scan
+from r2lm.ops.attention import attention
+from r2lm.ops.flex import block_sparse, flex_attention
+from r2lm.ops.kernels import optional_import
 
 logger = logging.getLogger("gpu_check")
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +166,7 @@ def training_layouts(size, device):
     """(name, kind, layout): the block objective's dual stream at the run's seq_len, and a padded prompt grid."""
     length, b = size["seq_len"], size["block"]
     x0 = torch.zeros(2, length, dtype=torch.long, device=device)
-    yield f"dual stream L={length}", "causal", dual_stream(x0, x0, b, "shift")[1]
+    yield f"dual stream L={length}", "causal", dual_stream(x0, x0, b, SHIFT)[1]
     mask = torch.ones(4, length, dtype=torch.long, device=device)
     for row, pad in enumerate((0, length // 8, length // 3, length // 2)):
         mask[row, :pad] = 0
@@ -219,7 +217,7 @@ def check_hybrid(device, size) -> Row:
                         block_size=b, mask_token_id=63)
     hybrid = R2LMForDiffusionLM(config).model.layers[0].self_attn.linear_attention.to(device)
     x0 = torch.zeros(1, length, dtype=torch.long, device=device)
-    layout = dual_stream(x0, x0, b, "shift")[1]
+    layout = dual_stream(x0, x0, b, SHIFT)[1]
     q, k, v = _qkv(1, size, layout.length, device, torch.float32)
     own, earlier = layout.mask_parts("causal")
     parts = HybridParts.of(layout, "causal", b)

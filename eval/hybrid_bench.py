@@ -1,6 +1,6 @@
 """Decode throughput and cache memory: block-hybrid (a third of the layers) vs all-softmax, by context length.
 
-    python eval/hybrid_bench.py [--contexts 512 2048 8192] [--out runs/hybrid_bench]
+    python -m eval.hybrid_bench [--contexts 512 2048 8192] [--out runs/hybrid_bench]
 
 The same backbone weights twice: as is, and with every third layer swapped to block-hybrid attention (as
 `python -m convert to-hybrid` does). Both run the decode loop of generate() (denoise steps against the cache,

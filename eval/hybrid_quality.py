@@ -1,6 +1,6 @@
 """Quality of block-hybrid conversion, end to end on a small trained model (DESIGN 1.2 and 7; issue 5).
 
-    python eval/hybrid_quality.py [--out runs/hybrid_quality] [--base-steps 1500] [--stage1-steps 400]
+    python -m eval.hybrid_quality [--out runs/hybrid_quality] [--base-steps 1500] [--stage1-steps 400]
                                   [--stage2-steps 300] [--untied-feature-maps] [--launcher python|deepspeed] [--fresh]
 
 Every model is built by the project's own programs, as a user would (each step is skipped when its output is
@@ -35,12 +35,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
 logger = logging.getLogger("eval.hybrid_quality")
 
 TARGET_MSE_REDUCTION = 10.0  # the issue: per-layer MSE at least 10x below its value at initialisation

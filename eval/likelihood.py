@@ -48,7 +48,6 @@ library's: r2lm.scoring, whose docstring says how each is computed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -57,93 +56,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from r2lm.scoring import MODES, eval_mode, masked_token_ce, next_token_ce, sidecars_active
+from eval.common import describe, eos_of, load_model, pack_texts, read_texts, write_result
+from r2lm.scoring import MODES, eval_mode, masked_token_ce, next_token_ce
 
 logger = logging.getLogger("eval.likelihood")
 
 RATIOS = (0.15, 0.5, 0.9)
-
-
-# ---------------------------------------------------------------------------------------------- models
-
-
-def load_model(path: str, device: str | None = None, dtype: str = "auto"):
-    """(model in eval mode, tokenizer) from an HF-format R2LM checkpoint folder."""
-    from transformers import AutoTokenizer
-
-    from r2lm import R2LMForDiffusionLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    model = R2LMForDiffusionLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
-
-
-def describe(model, mode: str) -> dict:
-    c = model.config
-    return {
-        "mode": mode, "attention": c.attention, "prediction": c.prediction, "sidecar_layers": list(c.sidecar_layers),
-        "hybrid_layers": list(c.hybrid_layers), "sidecars_active": sidecars_active(model), "block_size": c.block_size,
-    }
-
-
-# ---------------------------------------------------------------------------------------------- data
-
-
-def write_result(result: dict, out) -> None:
-    """An evaluation's JSON to `out` (its folder created), or to stdout without one."""
-    text = json.dumps(result, indent=1)
-    if out:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        logger.info("wrote %s", out)
-    else:
-        print(text)
-
-
-def read_texts(path: str | Path) -> list[str]:
-    """Documents of a held-out source: a .txt file (paragraphs separated by blank lines, as scripts/make_corpus.py
-    writes them and training reads them with text_unit=paragraph), a .jsonl / .json file (field "text"), or a
-    folder of such files (sorted)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".json"))
-        if not files:
-            raise ValueError(f"{path} holds no .txt / .jsonl / .json file")
-        return [t for f in files for t in read_texts(f)]
-    if not path.is_file():
-        raise ValueError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
-    if path.suffix == ".json":
-        data = json.loads(text)
-        return [d["text"] if isinstance(d, dict) else str(d) for d in data]
-    import re
-
-    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-
-
-def pack_texts(tokenizer, texts: list[str], seq_len: int, eos_id: int, max_sequences: int | None = None) -> torch.Tensor:
-    """[N, seq_len] rows packed like training data (train.data: documents + EOS, concatenated, cut)."""
-    from train.data import encode, pack
-
-    rows, _ = pack(encode(tokenizer, texts), eos_id, seq_len)
-    if not rows:
-        raise ValueError(f"the held-out text is shorter than one sequence of {seq_len} tokens")
-    if max_sequences:
-        rows = rows[:max_sequences]
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def eos_of(tokenizer, model) -> int | None:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    eos = model.config.eos_token_id
-    return int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- held-out NLL
@@ -196,7 +114,7 @@ def heldout_nll(
     all_ratios = sorted(set(ratios) | set(grid))
     sums = {r: [0.0, 0] for r in all_ratios}  # ratio -> [sum CE, masked tokens]
     next_sum, scored_total = 0.0, 0
-    causal = model.config.attention == "causal" and model.config.prediction == "shift"
+    causal = model.config.kind.ar
     device = model.device
     start = time.time()
     for first in tqdm(range(0, n_rows, batch_size), desc="held-out NLL", disable=not progress, unit="batch"):

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval import likelihood as lk
+from eval import common
 from r2lm import scoring
 from r2lm.device import device_available
 
@@ -203,7 +203,7 @@ class R2LMEvalLM(TemplateLM):
         from transformers import AutoTokenizer
 
         if model is None:
-            model, tok = lk.load_model(str(pretrained), resolve_device(device), dtype)
+            model, tok = common.load_model(str(pretrained), resolve_device(device), dtype)
             tokenizer = tokenizer or tok
         if isinstance(tokenizer, str) or tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(pretrained))
@@ -211,12 +211,12 @@ class R2LMEvalLM(TemplateLM):
         self.mode = scoring.eval_mode(model, mode)
         self.caches = scoring.ContextCache()  # block models: a context's KV cache, shared by its choices
         self._device = model.device
-        eos = lk.eos_of(tokenizer, model)
+        eos = common.eos_of(tokenizer, model)
         if eos is None:
             raise ValueError("the tokenizer defines no EOS token (lm-eval's end-of-text token)")
         self._eot = eos
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        logger.info("r2lm backend: %s", lk.describe(model, self.mode))
+        logger.info("r2lm backend: %s", common.describe(model, self.mode))
 
     # ---------------------------------------------------------------- TemplateLM plumbing
 

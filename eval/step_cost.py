@@ -31,7 +31,6 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,11 +38,11 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from eval.common import save_smollm2
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.generation.window import WindowReader
 
-from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
-from r2lm.generation.window import WindowReader  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("eval.step_cost")
 
@@ -106,10 +105,8 @@ def quickstart_base(folder: Path) -> Path:
 
 
 def smollm2_base(folder: Path) -> Path:
-    from eval.smollm2_cpt import save_base
-
     if not (folder / "config.json").is_file():
-        save_base(folder)
+        save_smollm2(folder)
     return folder
 
 

@@ -1,6 +1,6 @@
 """Decoding throughput: AR vs bidirectional dLLM (no cache, approximate dual cache) vs R2LM (exact cache).
 
-    python eval/throughput.py --model R2LM_CKPT [--ar AR_CKPT] [--bidirectional BIDIR_CKPT] [--causal CKPT] [--out DIR]
+    python -m eval.throughput --model R2LM_CKPT [--ar AR_CKPT] [--bidirectional BIDIR_CKPT] [--causal CKPT] [--out DIR]
 
 One run, the same prompts (real held-out text) for every variant, at every batch size x prompt length (and, for
 the diffusion variants, accepted and oracle tokens per step at each --diagnostic-thresholds value: see

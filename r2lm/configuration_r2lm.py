@@ -14,8 +14,8 @@ import re
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-ATTENTION_KINDS = ("causal", "block_causal", "bidirectional")
-PREDICTIONS = ("shift", "inplace")
+from r2lm.kind import ATTENTION, PREDICTIONS, ModelKind
+
 # RoPE types whose frequencies do not depend on the sequence length: a cached key stays exact. "dynamic" and
 # "longrope" rescale with the current length, which would silently invalidate every cached key.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -53,8 +53,8 @@ FIELD_RULES = (
     (("mask_token_id", "pad_token_id", "bos_token_id"), lambda v: v is None or _is_int(v), "a token id (or null)"),
     (("eos_token_id",), lambda v: v is None or _is_int(v) or _is_int_list(v), "a token id, a list of them (or null)"),
     (("sidecar_layers", "hybrid_layers"), lambda v: v is None or _is_int_list(v), "a list of layer indices"),
-    (("attention",), lambda v: v in ATTENTION_KINDS, f"one of {ATTENTION_KINDS}"),
-    (("prediction",), lambda v: v in PREDICTIONS, f"one of {PREDICTIONS}"),
+    (("attention",), lambda v: v in ATTENTION, f"one of {tuple(ATTENTION)}"),
+    (("prediction",), lambda v: v in PREDICTIONS, f"one of {tuple(PREDICTIONS)}"),
     (("hidden_act",), lambda v: isinstance(v, str) and v in ACT2FN, "an activation name of transformers' ACT2FN"),
     (("rope_parameters",), lambda v: v is None or isinstance(v, dict), "a dict (or null)"),
 )
@@ -70,8 +70,9 @@ class R2LMConfig(PreTrainedConfig):
 
     Diffusion:
         attention: "causal" (R2LM, AR backbones), "block_causal" (bidirectional inside a chunk, causal across
-            chunks) or "bidirectional" (LLaDA 1).
+            chunks) or "bidirectional" (LLaDA 1): a row of r2lm.kind.ATTENTION.
         prediction: "shift" (hidden state at i-1 predicts token i) or "inplace" (the [MASK] at i predicts i).
+        What these and the sidecar / hybrid layers imply for decoding, training and scoring: `kind` (r2lm.kind).
         mask_token_id: id of the [MASK] token.
         block_size: diffusion block length used by training and decoding.
         sidecar_layers: indices of layers that carry the reverse Mamba2 sidecar.
@@ -188,7 +189,8 @@ class R2LMConfig(PreTrainedConfig):
                 raise ValueError(f"{name} {bad} out of range for a model with {self.num_hidden_layers} layers")
             if len(set(layers)) != len(layers):
                 raise ValueError(f"{name} lists a layer twice: {layers}")
-        if self.sidecar_layers and self.attention == "bidirectional":
+        attention = ATTENTION[self.attention]
+        if self.sidecar_layers and not attention.streams:
             raise ValueError("sidecar_layers need a causal or block_causal model: bidirectional attention already sees the right context")
         if self.sidecar_layers:
             d_inner = self.sidecar_expand * self.hidden_size
@@ -199,8 +201,11 @@ class R2LMConfig(PreTrainedConfig):
                     f"sidecar heads ({d_inner // self.sidecar_headdim}) are not divisible by sidecar_ngroups "
                     f"({self.sidecar_ngroups})"
                 )
-        if self.hybrid_layers and self.attention == "bidirectional":
+        if self.hybrid_layers and not attention.streams:
             raise ValueError("hybrid_layers need a causal or block_causal model: a bidirectional one commits no blocks")
+        if self.hybrid_layers and attention.window is not None:
+            raise ValueError(f"hybrid_layers read every committed block linearly: they do not combine with "
+                             f"{self.attention!r} attention's window")
         if self.hybrid_layers and self.hybrid_feature_dim > self.head_dim:
             raise ValueError(f"hybrid_feature_dim {self.hybrid_feature_dim} is above head_dim {self.head_dim}")
         rope_type = (self.rope_parameters or {}).get("rope_type", "default")
@@ -223,6 +228,11 @@ class R2LMConfig(PreTrainedConfig):
         if hit:
             raise ValueError(f"{what} puts a LoRA on {', '.join(hit)} of a model with tied embeddings (lm_head and "
                              "embed_tokens share one weight): merged, it would change both; leave them out")
+
+    @property
+    def kind(self) -> ModelKind:
+        """What the attention, prediction, sidecar and hybrid fields make of the model (r2lm.kind)."""
+        return ModelKind.of(self)
 
     @property
     def num_sidecar_parameters(self) -> int:

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from r2lm.kind import ATTENTION
 from r2lm.layout import dual_stream
 
 OBJECTIVES = ("ar", "mdlm", "block", "certainty")
-# attention kinds each objective trains: mdlm's single noisy stream needs bidirectional attention (under causal
-# attention a masked token would see nothing to its right); block and certainty need a layout decoding can cache.
-FITS = {"ar": ("causal",), "mdlm": ("bidirectional",), "block": ("causal", "block_causal"),
-        "certainty": ("causal", "block_causal")}
+# what each objective needs of the attention kind (r2lm.kind.Attention): ar a token-causal one (a clean pass
+# predicts each next token); mdlm's single noisy stream one without streams (under causal attention a masked token
+# would see nothing to its right); block and certainty the streams of a layout decoding can cache.
+FITS = {"ar": lambda rule: rule.token_causal, "mdlm": lambda rule: not rule.streams,
+        "block": lambda rule: rule.streams, "certainty": lambda rule: rule.streams}
 
 
 @dataclass
@@ -62,11 +64,11 @@ def check_objective(name: str, config) -> None:
     """Reject an objective that does not fit the model, before any work starts."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
-    if config.attention not in FITS[name]:
-        raise ValueError(
-            f"objective {name!r} does not fit a {config.attention!r} model (it needs attention in {FITS[name]})"
-        )
-    if name == "ar" and config.prediction != "shift":
+    if not FITS[name](config.kind.attention):
+        fitting = tuple(kind for kind, rule in ATTENTION.items() if FITS[name](rule))
+        raise ValueError(f"objective {name!r} does not fit a {config.attention!r} model (it needs attention in "
+                         f"{fitting})")
+    if name == "ar" and not config.kind.shift:
         raise ValueError("objective 'ar' needs prediction='shift' (the hidden state at i-1 predicts token i)")
     if name != "ar" and config.mask_token_id is None:
         raise ValueError(f"objective {name!r} needs config.mask_token_id")
@@ -98,14 +100,14 @@ def mdlm_loss(model, x0, attention_mask=None, separator_id=None, generator=None,
     """LLaDA: t ~ U(0, 1) per sample, p = (1 - eps) t + eps, tokens masked i.i.d. with p, loss = CE / p."""
     config = config or model.config
     eligible = _eligible(x0, attention_mask, separator_id)
-    if config.prediction == "shift":
+    if config.kind.shift:
         eligible[:, 0] = False  # nothing predicts position 0
     t = torch.rand(x0.shape[0], 1, generator=generator, device=x0.device)
     p = _mask_probability(t, eps).expand_as(x0)
     masked = eligible & (torch.rand(x0.shape, generator=generator, device=x0.device) < p)
     xt = torch.where(masked, torch.full_like(x0, config.mask_token_id), x0)
     logits = model(xt, attention_mask=attention_mask).logits
-    if config.prediction == "shift":
+    if config.kind.shift:
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # column i now holds the prediction of token i
     ce = F.cross_entropy(logits[masked].float(), x0[masked], reduction="none")
     n = int(eligible.sum())

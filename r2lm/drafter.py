@@ -8,7 +8,8 @@ several of its own greedy tokens at once. Whatever it drafts, the committed text
               committed token but the last: each layer's output normalised, concatenated, fused by one linear map
               and an RMSNorm, then projected by each drafter layer's own key / value projections into its cache
               ("KV injection": the drafter never runs its layers over the context, it reads what the target
-              computed, appended a verification at a time)
+              computed, appended a verification at a time); and the last such token's fused features, projected
+              into every block column's input (EAGLE's direct path: the target's state just before the block)
     block     [last committed token, [MASK] * (b - 1)] at the next b positions: the token through the target's
               (frozen, shared) embeddings, [MASK] as a learnt vector; `num_hidden_layers` decoder layers of the
               target's width read the context cache and the block (in-block attention bidirectional or causal,
@@ -25,6 +26,7 @@ vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +35,15 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
 from r2lm.cache import KVCache
+from r2lm.checkpoints.hf import check_weights
+from r2lm.checkpoints.manifest import verify_checkpoint
+from r2lm.checkpoints.zero import load_fp32_state_dict
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.diffusion import Loss
 from r2lm.layers import RMSNorm, RotaryEmbedding
 from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
+from r2lm.modeling_r2lm import R2LMDecoderLayer, refuse_partial_load
 from r2lm.plan import ForwardPlan, plan_of
 
 IN_BLOCK = ("bidirectional", "causal")
@@ -108,8 +114,11 @@ class DrafterConfig(PretrainedConfig):
                       intermediate_size=target_config.intermediate_size, hidden_act=target_config.hidden_act,
                       rms_norm_eps=target_config.rms_norm_eps, rope_parameters=target_config.rope_parameters,
                       max_position_embeddings=target_config.max_position_embeddings, qk_norm=target_config.qk_norm)
-        layers = target_config.num_hidden_layers
-        fields["feature_layers"] = sorted({round(x * (layers - 1) / 4) for x in range(5)})  # low to high, evenly
+        layers, mine = target_config.num_hidden_layers, choices.get("num_hidden_layers", 1)
+        # low to high, evenly; with the output of the layer under the drafter's copy of the top layers (`start_from`:
+        # its keys and values are then the target's own) and the last layer's
+        below = max(layers - 1 - mine, 0)
+        fields["feature_layers"] = sorted({round(x * below / 4) for x in range(5)} | {below, layers - 1})
         fields.update(choices)
         return cls(**fields)
 
@@ -134,13 +143,12 @@ class Drafter(PreTrainedModel):
 
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
-        from r2lm.modeling_r2lm import R2LMDecoderLayer
-
         self.stack = config.stack_config()
         self.stack._attn_implementation = "sdpa"
         width = config.target_hidden_size
         self.fuse = Linear(len(config.feature_layers) * width, width, bias=False)
         self.fuse_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.direct = Linear(width, width, bias=False)  # the last context token's features, into every block column
         self.layers = nn.ModuleList(R2LMDecoderLayer(self.stack, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.stack)
@@ -155,11 +163,6 @@ class Drafter(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, made strict as R2LMForDiffusionLM's: a folder's weights are checked against
         its checksums.sha256, and a missing or unexpected weight is refused, naming it."""
-        from pathlib import Path
-
-        from r2lm.checkpoints import check_weights
-        from r2lm.modeling_r2lm import refuse_partial_load
-
         folder = Path(pretrained_model_name_or_path)
         if folder.is_dir():
             if not (folder / "config.json").is_file():
@@ -169,6 +172,16 @@ class Drafter(PreTrainedModel):
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         refuse_partial_load(info, pretrained_model_name_or_path)
         return model
+
+    @classmethod
+    def from_training_checkpoint(cls, folder) -> Drafter:
+        """The drafter of a training checkpoint (OUTPUT_DIR/checkpoints/step-N of train/pretrain.py objective=drafter):
+        its files checked against their manifest, its fp32 weights reassembled from the ZeRO shards."""
+        folder = Path(folder)
+        verify_checkpoint(folder)
+        drafter = cls(DrafterConfig.from_pretrained(folder))
+        drafter.load_state_dict(load_fp32_state_dict(folder.parent, folder.name), strict=True)
+        return drafter.eval()
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -210,6 +223,28 @@ class Drafter(PreTrainedModel):
             self.target = embed, head.to(device=like.device, dtype=like.dtype)
         return self.target
 
+    @torch.no_grad()
+    def start_from(self, target) -> None:
+        """Initialise from the target: the drafter's layers are copies of its top layers (attention and MLP; a
+        sidecar stays as it is) and its final norm the target's; where the output of the layer just under them is a
+        feature, the fusion starts as that feature alone, so the context's keys and values are at first exactly the
+        ones the target's own top layers compute; the direct path starts as the identity (the block reads the state
+        just before it). Needs the target's layer shapes (a drafter made with `DrafterConfig.for_target`)."""
+        count = len(target.model.layers)
+        top = target.model.layers[count - len(self.layers):]
+        for mine, theirs in zip(self.layers, top, strict=True):
+            state = {k: v for k, v in theirs.state_dict().items() if not k.startswith("sidecar.")}
+            missing = mine.load_state_dict(state, strict=False).missing_keys
+            if any(not k.startswith("sidecar.") for k in missing):
+                raise ValueError(f"the drafter's layers differ from the target's: {missing[:3]}")
+        self.norm.weight.copy_(target.model.norm.weight)
+        below, width = count - len(self.layers) - 1, self.config.target_hidden_size
+        if below in self.config.feature_layers:
+            slot = self.config.feature_layers.index(below)
+            self.fuse.weight.zero_()[:, slot * width : (slot + 1) * width] = torch.eye(width)
+            self.fuse_norm.weight.fill_(1.0)
+        self.direct.weight.copy_(torch.eye(width))
+
     # ------------------------------------------------------------------ context
 
     def features(self, captured) -> torch.Tensor:
@@ -218,13 +253,17 @@ class Drafter(PreTrainedModel):
         parts = [(h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) for h in captured]
         return self.fuse_norm(self.fuse(torch.cat(parts, -1)))
 
-    def new_cache(self, batch: int, max_length: int) -> KVCache:
-        return KVCache(self.stack, batch, max_length, self.fuse.weight.dtype, self.fuse.weight.device)
+    def new_context(self, batch: int, max_length: int) -> DraftContext:
+        """An empty context for `batch` rows of up to `max_length` columns (r2lm.generation.drafts keeps one per call)."""
+        like = self.fuse.weight
+        return DraftContext(KVCache(self.stack, batch, max_length, like.dtype, like.device),
+                            torch.zeros(batch, self.config.target_hidden_size, dtype=like.dtype, device=like.device))
 
-    def append(self, cache: KVCache, captured, valid: torch.Tensor | int) -> None:
-        """Append committed tokens' context to the cache: `captured` the target's outputs at feature_layers for
-        them ([B, T, hidden] each), `valid` [B, T] which of the T columns are real (or an int: all of them)."""
-        c = self.features(captured)
+    def append(self, context: DraftContext, captured, valid: torch.Tensor | int) -> torch.Tensor:
+        """Append committed tokens to the context: `captured` the target's outputs at feature_layers for them
+        ([B, T, hidden] each), `valid` [B, T] which of the T columns are real (or an int: all of them). Returns
+        their fused features [B, T, hidden]."""
+        cache, c = context.kv, self.features(captured)
         mask = torch.ones(c.shape[:2], dtype=torch.long, device=c.device) if isinstance(valid, int) else valid.long()
         layout = Layout.span(mask, start=cache.next_position)
         cos, sin = self.rotary_emb(c, layout.positions)
@@ -233,40 +272,50 @@ class Drafter(PreTrainedModel):
             _, k, v = layer.self_attn.project(layer.input_layernorm(c), cos, sin)
             cache.update(i, k, v, columns, cache.length + c.shape[1])
         cache.advance(valid if isinstance(valid, int) else valid.bool())
+        # each row's last real column: what the block's direct path reads (rows with none keep theirs)
+        cols = torch.arange(c.shape[1], device=c.device)
+        last = torch.where(mask.bool(), cols, -1).amax(1)
+        picked = c.gather(1, last.clamp(min=0)[:, None, None].expand(-1, 1, c.shape[-1]))[:, 0]
+        context.last = torch.where((last >= 0)[:, None], picked, context.last)
+        return c
 
     # ------------------------------------------------------------------ drafting
 
-    def block_inputs(self, openers: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, width, hidden]: each opener token's target embedding, then the [MASK] vector."""
+    def block_inputs(self, openers: torch.Tensor, last: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width, hidden]: each opener token's target embedding, then the [MASK] vector; plus, in every column,
+        the projected fused features of the last context token (`last` [B, hidden]: the target's state just before
+        the opener, the one input that says most about what follows it)."""
         embed, head = self._bound()
         first = embed(openers.reshape(-1, 1)).detach().to(head.dtype)  # the target's: frozen
-        return torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
+        h = torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
+        return h + self.direct(last)[:, None]
 
-    def hidden(self, h: torch.Tensor, plan, cache: KVCache) -> torch.Tensor:
+    def hidden(self, h: torch.Tensor, plan, cache: KVCache, norm: bool = True) -> torch.Tensor:
         for layer in self.layers:
             h, _ = layer(h, plan, cache)
-        return self.norm(h)
+        return self.norm(h) if norm else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., draft vocab]."""
         return F.linear(h, self._bound()[1])
 
     @torch.no_grad()
-    def draft(self, cache: KVCache, openers: torch.Tensor) -> torch.Tensor:
-        """Target token ids [B, b] drafted after the cached context and the opener token [B] (the last committed one):
-        column j is the guess for the token j + 1 positions after it. The cache is read, not changed."""
-        b = self.config.block_size
+    def draft(self, context: DraftContext, openers: torch.Tensor) -> torch.Tensor:
+        """Target token ids [B, b] drafted after the context and the opener token [B] (the last committed one):
+        column j is the guess for the token j + 1 positions after it. The context is read, not changed."""
+        b, cache = self.config.block_size, context.kv
         layout = Layout.span(torch.ones(openers.shape[0], b, dtype=torch.long, device=openers.device),
                              start=cache.next_position, noisy=True, chunk=1)
         plan = plan_of(self.stack, self.rotary_emb, layout, cache, like=self.fuse.weight)
-        h = self.hidden(self.block_inputs(openers, b), plan, cache)
+        h = self.hidden(self.block_inputs(openers, context.last, b), plan, cache)
         return self.draft_ids[self.logits(h).argmax(-1)]
 
     # ------------------------------------------------------------------ training
 
-    def forward(self, captured, ids, valid, starts, blocks: int, generator=None, decay: float = 0.8) -> DraftLoss:
+    def forward(self, captured, ids, valid, starts, blocks: int, generator=None, decay: float = 0.8,
+                feature_weight: float = 0.0) -> DraftLoss:
         """The drafting loss (`loss`): what a DeepSpeed engine around the drafter calls."""
-        return self.loss(captured, ids, valid, starts, blocks, generator, decay)
+        return self.loss(captured, ids, valid, starts, blocks, generator, decay, feature_weight)
 
     def draft_index(self) -> torch.Tensor:
         """[target vocabulary]: each target token's row in the draft vocabulary, -1 for the tokens outside it."""
@@ -274,7 +323,7 @@ class Drafter(PreTrainedModel):
         return index.index_copy_(0, self.draft_ids, torch.arange(len(self.draft_ids), device=index.device))
 
     def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, blocks: int,
-             generator: torch.Generator | None = None, decay: float = 0.8) -> DraftLoss:
+             generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0) -> DraftLoss:
         """The drafting loss of a batch of the target's own text (DFlash's recipe, notes/drafting.md).
 
         ids [B, T] right-padded (valid [B, T]); captured: the target's outputs at feature_layers over them (the
@@ -283,7 +332,11 @@ class Drafter(PreTrainedModel):
         the positions whose block predicts at least one generated token, each opening a block [x_a, [MASK] * (b-1)]
         that reads the context of x_0 .. x_{a-1} (what decoding holds before that block) and predicts x_{a+1} ..
         x_{a+b}: cross-entropy over the draft vocabulary, column j weighted by decay^j (an early token gates every
-        later one's acceptance). Targets outside the draft vocabulary or the text are not scored."""
+        later one's acceptance). Targets outside the draft vocabulary or the text are not scored.
+
+        With `feature_weight` > 0 (and the target's last layer among the feature layers), EAGLE's dense supervision
+        too: column j's last hidden state, normalised, regresses onto the target's own last-layer state at x_{a+j}
+        (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same."""
         b, (batch, length) = self.config.block_size, ids.shape
         device = ids.device
         lengths = valid.sum(1)
@@ -293,17 +346,21 @@ class Drafter(PreTrainedModel):
         count = min(blocks, length)
         top = score.topk(count, dim=1)
         anchors, used = top.indices, top.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
-        cache = KVCache(self.stack, batch, length + count * b, self.fuse.weight.dtype, device)
-        self.append(cache, captured, valid)
+        context = self.new_context(batch, length + count * b)
+        c = self.append(context, captured, valid)
+        cache = context.kv
         offsets = torch.arange(b, device=device)
         at = (anchors[..., None] + offsets).flatten(1)  # [B, n * b]: each block column's position
         first = (offsets == 0).expand(batch, count, b).flatten(1)
         embed, head = self._bound()
         inputs = torch.where(first[..., None], embed(ids.gather(1, at.clamp(max=length - 1))).detach().to(head.dtype),
                              self.mask_embedding.to(head.dtype))  # the target's embeddings: frozen
+        before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
+        last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
+        inputs = inputs + self.direct(last)
         block = torch.arange(count, device=device).repeat_interleave(b)
         own = block[:, None] == block[None, :]
-        if self.config.in_block == "causal":
+        if self.stack.kind.attention.causal:  # in_block="causal"
             own &= offsets.repeat(count)[None, :] <= offsets.repeat(count)[:, None]
         context = (positions[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]) & valid[:, None, :].bool()
         mask = torch.cat([context, own.expand(batch, -1, -1)], 2)[:, None]
@@ -311,7 +368,8 @@ class Drafter(PreTrainedModel):
         windows = (torch.arange(count * b, device=device).view(count, b)) if self.config.sidecar else None
         plan = ForwardPlan(cos=cos, sin=sin, mask=mask, windows=windows,
                            columns=cache.columns[length : length + count * b], keys=length + count * b)
-        logits = self.logits(self.hidden(inputs, plan, cache)).float()  # [B, n * b, draft vocab]
+        h = self.hidden(inputs, plan, cache, norm=False)
+        logits = self.logits(self.norm(h)).float()  # [B, n * b, draft vocab]
         target_at = at + 1
         targets = ids.gather(1, target_at.clamp(max=length - 1))
         targets = self.draft_index()[targets]
@@ -325,9 +383,34 @@ class Drafter(PreTrainedModel):
         blocks_used = used.sum().clamp(min=1)
         tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
         scored_count = int(scored.sum())
-        return DraftLoss(loss=(ce * weight).sum() / weight.sum().clamp(min=1e-6), tokens=scored_count,
+        loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+        top_layer = self.config.target_num_hidden_layers - 1
+        if feature_weight > 0 and top_layer in self.config.feature_layers:
+            state = captured[self.config.feature_layers.index(top_layer)]
+            state = state.gather(1, at.clamp(max=length - 1)[..., None].expand(-1, -1, state.shape[-1])).float()
+            error = (_unit(h.float()) - _unit(state)).pow(2).mean(-1)
+            loss = loss + feature_weight * (error * weight).sum() / weight.sum().clamp(min=1e-6)
+        return DraftLoss(loss=loss, tokens=scored_count,
                          masked=scored_count, tau=tau.detach(),
                          first_right=(right.view(batch, count, b)[..., 0] & used).sum().float() / blocks_used)
+
+
+def _unit(h: torch.Tensor) -> torch.Tensor:
+    """h scaled to unit root-mean-square per vector (RMSNorm without its weight)."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@dataclass
+class DraftContext:
+    """What a drafter reads of the committed text: its keys and values per drafter layer (the target's features
+    injected), and each row's last committed token's fused features."""
+
+    kv: KVCache
+    last: torch.Tensor  # [B, hidden]
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.kv.keep_rows(keep)
+        self.last = self.last[keep]
 
 
 @dataclass

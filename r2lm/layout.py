@@ -13,7 +13,11 @@ The attention mask and the sidecar's scope are both derived from it, so training
   (`causal`) or all of them (`block_causal`);
 - a window column sees clean columns of earlier chunks, and columns of its own window causally or fully;
 - `bidirectional`: every real column sees every real column;
-- columns already in a KV cache are clean and belong to earlier chunks: every column sees them.
+- columns already in a KV cache are clean and belong to earlier chunks: every column sees them;
+- a kind with a window (r2lm.kind.Attention.window) hides every key that many positions or more before the query,
+  cached ones included.
+
+The attention kinds are the rows of r2lm.kind.ATTENTION; the predicate below evaluates their rules.
 
 The sidecar runs over each window (the noisy columns of one chunk) and nowhere else.
 """
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from r2lm.kind import ModelKind, attention_rule, prediction_lead
 
 
 @dataclass(eq=False)
@@ -83,6 +89,14 @@ class Layout:
         )
 
     @classmethod
+    def prompt(cls, attention_mask: torch.Tensor, kind: ModelKind, start=0, chunk: int = 0) -> Layout:
+        """The layout a prompt goes in with (prefill): one clean chunk, or where chunks matter (`kind.chunked`) the
+        block grid of training's clean stream, block k's chunk opening at k * block_size - lead."""
+        if not kind.chunked:
+            return cls.span(attention_mask, start=start, chunk=chunk)
+        return cls.span(attention_mask, start=start, chunk=chunk, grid=kind.block_size, grid_offset=kind.lead)
+
+    @classmethod
     def cat(cls, *layouts: Layout) -> Layout:
         """Columns of several layouts side by side (their chunk indices must already be distinct)."""
         batch = max(lay.positions.shape[0] for lay in layouts)
@@ -139,6 +153,8 @@ class Layout:
         with index tensors of shapes [B, 1, 1], [1, T, 1] and [1, 1, S] it gives the [B, T, S] mask."""
         if part not in ("own", "earlier", "all"):
             raise ValueError(f"unknown mask part {part!r}; expected 'own', 'earlier' or 'all'")
+        rule = attention_rule(kind)
+        streams, causal, window = rule.streams, rule.causal, rule.window
         rows, pad = self.rows, -self.length % pad_to
         real = self.valid_mask(rows)
 
@@ -157,12 +173,14 @@ class Layout:
 
         def own(b, h, q, kv):
             r = row(b)
-            if kind == "bidirectional":
+            if not streams:
                 seen = key_stream[r, kv] >= 0
             else:
                 seen = query_stream[r, q] == key_stream[r, kv]
-                if kind == "causal":
+                if causal:
                     seen = seen & (pos[r, kv] <= pos[r, q])
+            if window is not None:
+                seen = seen & (pos[r, q] - pos[r, kv] < window)
             if padding_query is not None:
                 seen = seen | ((q == kv) & padding_query[r, q])
             return seen
@@ -170,7 +188,9 @@ class Layout:
         def earlier(b, h, q, kv):
             r = row(b)
             seen = clean_key[r, kv] & (chunk[r, kv] < chunk[r, q])
-            return seen & False if kind == "bidirectional" else seen  # bidirectional: every key is its own
+            if window is not None:
+                seen = seen & (pos[r, q] - pos[r, kv] < window)
+            return seen if streams else seen & False  # without streams every key is its own
 
         def union(b, h, q, kv):
             return own(b, h, q, kv) | earlier(b, h, q, kv)
@@ -197,11 +217,11 @@ class Layout:
     def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
         """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend) for softmax attention.
 
-        `cached` [B, C] marks real columns already in a KV cache (clean, earlier chunks: visible to every query);
+        `cached` [B, C] marks real columns already in a KV cache (clean, earlier chunks: see `cached_keys_seen`);
         `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
         allowed = self.dense_mask(kind)
         if cached is not None and cached.shape[1]:
-            past = cached[:, None, :].expand(-1, self.length, -1)
+            past = cached_keys_seen(kind, cached, self.positions).expand(-1, self.length, -1)
             allowed = torch.cat([past, allowed.expand(past.shape[0], -1, -1)], dim=2)
         if stale is not None:
             after = stale[:, None, :].expand(-1, self.length, -1)
@@ -242,6 +262,18 @@ class Layout:
         return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks.flatten()[0]).all())
 
 
+def cached_keys_seen(kind: str, cached: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Which keys of a KV cache queries at `positions` [B or 1, T] see: bool [B, 1 or T, C], from `cached` [B, C]
+    (the cache's real columns). Cached keys are clean and in earlier chunks, so every query sees every real one, but
+    under a window only those fewer than `window` positions before it; a cached column's position is the count of
+    real columns before it (a KVCache advances each row's next position by its real columns)."""
+    window = attention_rule(kind).window
+    if window is None:
+        return cached[:, None, :]
+    key_positions = cached.long().cumsum(1) - 1
+    return cached[:, None, :] & (positions[..., :, None] - key_positions[:, None, :] < window)
+
+
 def _right_aligned(windows: list, device) -> torch.Tensor | None:
     """[W, Lw] on `device` from a list of windows (slices or 1-D column tensors), right-aligned, -1 padded; None if
     empty. (The layout's device, also when every window is a slice: the sidecar indexes activations with it.)"""
@@ -271,7 +303,7 @@ def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     length, device = x0.shape[1], x0.device
-    offset = 1 if prediction == "shift" else 0
+    offset = prediction_lead(prediction)
     pos = torch.arange(length, device=device)
     chunk_of = (pos + offset) // block_size  # block k's chunk is [kb - offset, (k+1)b - offset)
     win_pos = pos[(chunk_of >= 1) & (pos + offset < length)]

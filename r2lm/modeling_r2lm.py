@@ -20,18 +20,22 @@ state dict loads by name; the sidecar of layer N lives under `model.layers.N.sid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, is_torch_flex_attn_available
 
 from r2lm.cache import KVCache, cache_signature
+from r2lm.checkpoints.hf import check_weights, read_generation_config, weight_files
 from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.generation.mixin import R2LMGenerationMixin
+from r2lm.generation_config import decoding_generation_config
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
 from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
@@ -143,7 +147,9 @@ class R2LMModel(R2LMPreTrainedModel):
         return plan_of(self.config, self.rotary_emb, layout, cache, commit, transfer, like=self.embed_tokens.weight)
 
 
-class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
+class R2LMForDiffusionLM(R2LMPreTrainedModel, R2LMGenerationMixin):
+    """The decoder stack and its LM head; `generate` (cached parallel decoding) comes from R2LMGenerationMixin."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: R2LMConfig):
@@ -151,8 +157,6 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         self.model = R2LMModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        from r2lm.generation.options import decoding_generation_config
-
         self.generation_config = decoding_generation_config(config, self.generation_config)
 
     @classmethod
@@ -168,10 +172,6 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         From a local folder, first: its weight files are opened and checked against its checksums.sha256 (where it
         has one), and its generation_config.json must parse (transformers would use its built-in defaults in
         silence); each is refused with a ValueError naming the file."""
-        from pathlib import Path
-
-        from r2lm.checkpoints import check_weights, read_generation_config, weight_files
-
         path = pretrained_model_name_or_path
         folder = None if path is None else Path(path, kwargs.get("subfolder", ""))
         if folder is not None and folder.is_dir():
@@ -266,7 +266,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
             raise ValueError("labels score every column: they do not combine with logits_to_keep")
 
     def _loss(self, logits, labels) -> torch.Tensor:
-        if self.config.prediction == "shift":
+        if self.config.kind.shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
@@ -297,11 +297,8 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         return self(input_ids, layout=layout, cache=cache, update_cache=True, logits_to_keep=logits_to_keep).logits
 
     def prompt_layout(self, attention_mask, start=0, chunk: int = 0) -> Layout:
-        """The layout prefill gives a prompt: one clean chunk, or the block grid where chunks matter."""
-        if self.config.attention != "block_causal" and not self.config.hybrid_layers:
-            return Layout.span(attention_mask, start=start, chunk=chunk)
-        offset = int(self.config.prediction == "shift")
-        return Layout.span(attention_mask, start=start, chunk=chunk, grid=self.config.block_size, grid_offset=offset)
+        """The layout prefill gives a prompt: one clean chunk, or the block grid where chunks matter (Layout.prompt)."""
+        return Layout.prompt(attention_mask, self.config.kind, start=start, chunk=chunk)
 
     def commit(self, input_ids, cache: KVCache, attention_mask=None, logits_to_keep: int = 1) -> torch.Tensor:
         """Append a finished block to the cache as one chunk of clean tokens, sidecar off."""
@@ -312,20 +309,6 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, GenerationMixin):
         """Logits of one window [B, T] read against the cache, sidecar on. The committed cache is unchanged."""
         layout = Layout.span(_ones_if_none(attention_mask, window_ids), start=cache.next_position, noisy=True)
         return self(window_ids, layout=layout, cache=cache).logits
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
-                 **kwargs):
-        """Cached parallel decoding (r2lm.generate) with transformers' surface: options default to
-        `generation_config`, else `self.generation_config` (generation_config.json of the checkpoint: block_size,
-        threshold and the other decoding options, plus transformers' own eos_token_id, do_sample, temperature,
-        top_k, top_p, max_new_tokens), and `kwargs` override both. Returns the sequences [B, P + new], or the
-        GenerateOutput with `return_dict_in_generate=True`."""
-        from r2lm.generation import generate
-
-        return_dict = kwargs.pop("return_dict_in_generate", False)
-        out = generate(self, input_ids, attention_mask, generation_config=generation_config, **kwargs)
-        return out if return_dict else out.sequences
 
     # ------------------------------------------------------------------ training helpers
 
@@ -372,8 +355,6 @@ def refuse_partial_load(info: dict, source, shown: int = 5) -> None:
 
 
 def _flex_on_cuda() -> bool:
-    from transformers.utils import is_torch_flex_attn_available
-
     return torch.cuda.is_available() and is_torch_flex_attn_available()
 
 

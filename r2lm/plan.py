@@ -47,11 +47,12 @@ def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, co
     attn_implementation="flex_attention" (r2lm.ops.flex) and through its dense mask under "sdpa" (the
     reference), and block-hybrid layers take their linear-time chunked form; over a cache (few columns) both
     use the dense form."""
-    kind = config.attention
+    kind, rule = config.attention, config.kind.attention
     if transfer and cache is not None:
         raise ValueError("attention transfer runs on a full layout, without a cache")
-    # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel.
-    plain = cache is None and layout.is_plain and not transfer
+    # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel; a window
+    # needs one.
+    plain = cache is None and layout.is_plain and not transfer and rule.window is None
     # softmax layers (or, under attention transfer, the softmax teacher of every hybrid layer) need a mask
     softmax = transfer or len(config.hybrid_layers) < config.num_hidden_layers
     mask = blocks = None
@@ -73,7 +74,7 @@ def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, co
         columns = cache.columns[cache.length : cache.length + layout.length]
         keys = max(cache.length + layout.length, cache.stale_end)
     return ForwardPlan(
-        cos=cos, sin=sin, mask=mask, is_causal=plain and kind == "causal", block_mask=blocks, own=own,
+        cos=cos, sin=sin, mask=mask, is_causal=plain and rule.causal, block_mask=blocks, own=own,
         earlier=earlier, hybrid=hybrid, valid=layout.valid, windows=layout.windows if config.sidecar_layers else None,
         columns=columns, keys=keys or 0, commit=commit, transfer=transfer,
     )

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from r2lm.generation import generate
+from r2lm.generation.contexts import sidecars_active
 from r2lm.layout import Layout, dual_stream
 
 MODES = ("auto", "ar", "diffusion")
@@ -41,7 +43,7 @@ def eval_mode(model, mode: str = "auto") -> str:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     config = model.config
     if mode == "ar":
-        if config.attention != "causal" or config.prediction != "shift":
+        if not config.kind.ar:
             raise ValueError(
                 f"mode 'ar' needs a causal model with shift prediction, got attention={config.attention!r}, "
                 f"prediction={config.prediction!r}"
@@ -49,13 +51,7 @@ def eval_mode(model, mode: str = "auto") -> str:
         return "ar"
     if config.mask_token_id is None:
         raise ValueError("diffusion evaluation needs config.mask_token_id (or use mode='ar' for an AR model)")
-    return "single" if config.attention == "bidirectional" else "block"
-
-
-def sidecars_active(model) -> bool:
-    from r2lm.generation.contexts import sidecars_active as active
-
-    return active(model)
+    return "block" if config.kind.exact_cache else "single"
 
 
 @torch.no_grad()
@@ -75,7 +71,7 @@ def masked_token_ce(model, x0: torch.Tensor, masked: torch.Tensor, mode: str, bl
         return ce
     if mode == "single":
         logits = model(xt).logits
-        if config.prediction == "shift":
+        if config.kind.shift:
             if bool(masked[:, 0].any()):
                 raise ValueError("position 0 cannot be scored under shift prediction")
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -102,11 +98,11 @@ def next_token_ce(model, x0: torch.Tensor) -> torch.Tensor:
     Without open sidecars this is the plain causal forward; with them, every prediction is a one-column window
     (the dual-stream layout at block size 1), exactly what block-size-1 decoding computes."""
     config = model.config
-    if config.attention != "causal" or config.prediction != "shift":
+    if not config.kind.ar:
         raise ValueError("next-token NLL needs a causal model with shift prediction")
     ce = torch.zeros(x0.shape, dtype=torch.float32, device=x0.device)
     if sidecars_active(model):
-        inputs, layout, target = dual_stream(x0, x0, 1, "shift")
+        inputs, layout, target = dual_stream(x0, x0, 1, config.prediction)
         window = torch.nonzero(target >= 0).flatten()
         logits = model(inputs, layout=layout, logits_to_keep=window).logits
         tgt = target[window]
@@ -140,55 +136,42 @@ def block_answer_inputs(model, context: torch.Tensor, answer: torch.Tensor, mask
                         cached_head: bool = False):
     """The answer after the context, as `generate` decodes it (DESIGN 2.1), for a batch of mask patterns.
 
-    context [P], answer [n], masked [rows, n]. Columns: the clean context (prefill: all but its last token under
-    `shift`, on the block grid where chunks matter), the clean answer blocks but the last (commits), then one
+    context [P], answer [n], masked [rows, n]. Columns: the clean context (prefill: its head, all but its last token
+    under `shift`, on the block grid where chunks matter), the clean answer blocks but the last (commits), then one
     window per answer block (shift: opened by the token before the block, positions shifted by one). Window j sees
     the context and the clean blocks < j. With `cached_head` the context columns are left out (they are in a KV
     cache, see `ContextCache`). Returns (input_ids [rows, T], layout, keep [n]: the column whose logits predict
     answer token i)."""
-    config = model.config
-    o = int(config.prediction == "shift")
+    kind = model.config.kind
     P, n = len(context), len(answer)
-    if P < o:
+    head = kind.head(P)
+    if head < 0:
         raise ValueError("a shift-prediction model needs at least one context token to open the first window")
     rows, device = masked.shape[0], context.device
-    mask_id = config.mask_token_id
     z = torch.cat([context, answer])
-    ids, pos, chunks, noisy = [], [], [], []
-    head = P - o
-    base = 0
+    ids, parts, base = [], [], 0
     if head:
-        hl = model.prompt_layout(torch.ones(1, head, dtype=torch.long, device=device))
-        base = int(hl.chunks.max()) + 1
+        prompt = Layout.prompt(torch.ones(1, head, dtype=torch.long, device=device), kind)
+        base = int(prompt.chunks.max()) + 1
         if not cached_head:
             ids.append(z[:head][None].expand(rows, -1))
-            pos.append(hl.positions[0])
-            chunks.append(hl.chunks.reshape(-1, head)[0])
-            noisy.append(torch.zeros(head, dtype=torch.bool, device=device))
+            parts.append(prompt)
     blocks = answer_blocks(n, "block", block_size)
+    ones = torch.ones(1, max(e - s for s, e in blocks), dtype=torch.long, device=device)
     for j, (s, e) in enumerate(blocks[:-1]):  # committed blocks
-        cols = torch.arange(P - o + s, P - o + e, device=device)
-        ids.append(z[cols][None].expand(rows, -1))
-        pos.append(cols)
-        chunks.append(torch.full_like(cols, base + j))
-        noisy.append(torch.zeros(len(cols), dtype=torch.bool, device=device))
-    keep = []
-    offset = sum(len(p) for p in pos)
+        ids.append(z[head + s : head + e][None].expand(rows, -1))
+        parts.append(Layout.span(ones[:, : e - s], start=head + s, chunk=base + j))
+    keep, offset = [], sum(part.length for part in parts)
     for j, (s, e) in enumerate(blocks):  # windows
-        cols = torch.arange(P - o + s, P - o + e, device=device)
-        win = z[cols][None].repeat(rows, 1)
-        idx = cols - P  # answer index held by each input column (negative: context)
+        win = z[head + s : head + e][None].repeat(rows, 1)
+        idx = torch.arange(head + s, head + e, device=device) - P  # answer index of each input (negative: context)
         own = (idx >= s) & (idx < e)
-        hide = masked[:, idx.clamp(min=0, max=n - 1)] & own[None]
-        win[hide] = mask_id
+        win[masked[:, idx.clamp(min=0, max=n - 1)] & own[None]] = model.config.mask_token_id
         ids.append(win)
-        pos.append(cols)
-        chunks.append(torch.full_like(cols, base + j))
-        noisy.append(torch.ones(len(cols), dtype=torch.bool, device=device))
-        keep.append(torch.arange(offset, offset + len(cols), device=device))
-        offset += len(cols)
-    layout = Layout(positions=torch.cat(pos)[None], chunks=torch.cat(chunks), noisy=torch.cat(noisy))
-    return torch.cat(ids, dim=1), layout, torch.cat(keep)
+        parts.append(Layout.span(ones[:, : e - s], start=head + s, noisy=True, chunk=base + j))
+        keep.append(torch.arange(offset, offset + e - s, device=device))
+        offset += e - s
+    return torch.cat(ids, dim=1), Layout.cat(*parts), torch.cat(keep)
 
 
 class ContextCache:
@@ -202,8 +185,7 @@ class ContextCache:
         self.key, self.caches = None, {}
 
     def get(self, model, context: torch.Tensor, rows: int, room: int):
-        o = int(model.config.prediction == "shift")
-        head = len(context) - o
+        head = model.config.kind.head(len(context))
         if head <= 0:
             return None
         key = tuple(context.tolist())
@@ -237,13 +219,12 @@ def answer_logprobs(model, context: torch.Tensor, answer: torch.Tensor, masked: 
         ids, layout, keep = block_answer_inputs(model, context, answer, masked, block_size, cached_head=cache is not None)
         logits = model(ids, layout=layout, cache=cache, logits_to_keep=keep).logits
     else:
-        o = int(config.prediction == "shift")
-        P = len(context)
-        if P < o:
+        head = config.kind.head(len(context))  # the column predicting the answer's first token is the last of the head
+        if head < 0:
             raise ValueError("a shift-prediction model needs at least one context token")
         noisy = torch.where(masked, torch.full_like(masked, config.mask_token_id, dtype=torch.long), answer[None])
         ids = torch.cat([context[None].expand(len(masked), -1), noisy], dim=1)
-        logits = model(ids, logits_to_keep=torch.arange(P - o, P - o + n, device=ids.device)).logits
+        logits = model(ids, logits_to_keep=torch.arange(head, head + n, device=ids.device)).logits
     if logits_only:
         return logits
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, answer[None, :, None].expand(len(masked), -1, 1))[..., 0]
@@ -316,8 +297,6 @@ def greedy_reproduces(model, context, answer, mode: str = "auto", block_size: in
     ar: the argmax at every position. Diffusion (LLaDA's suffix_greedy_prediction): `generate` with one token per
     step, the most confident first (LLaDA's schedule with as many steps as tokens), in blocks for block models;
     the answer is reproduced iff every step chose the answer's token (a token, once unmasked, never changes)."""
-    from r2lm.generation import generate
-
     mode = eval_mode(model, mode) if mode in MODES else mode
     device = model.device
     context = torch.as_tensor(context, dtype=torch.long, device=device)

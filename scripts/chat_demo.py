@@ -1,12 +1,14 @@
-"""Chat with an R2LM converted from a transformers model, four ways, against that original model:
+"""Chat with an R2LM converted from a transformers model, several ways, against that original model:
 
-    python scripts/chat_demo.py R2LM_CHECKPOINT --reference SRC [--gguf-file FILE] [--prompt TEXT ...]
+    python scripts/chat_demo.py R2LM_CHECKPOINT --reference SRC [--gguf-file FILE] [--drafter DIR] [--prompt TEXT ...]
 
 - cached parallel decoding (threshold rule): the text, tokens accepted per denoising step;
 - verified decoding (verify=True): the window drafts, the causal pass verifies; for a frozen-backbone R2LM the text
   is the original model's own greedy text, token for token (checked against the reference's `generate`);
 - the same with prompt-lookup drafts (verify_draft="lookup"): copies of the prompt and the answer so far, verified
   by forwards of the draft's columns alone (checked the same way);
+- with --drafter, the same with a drafter trained for the frozen model (r2lm.drafter; verify_draft="lookup+drafter":
+  lookup where the answer repeats, the drafter elsewhere; checked the same way);
 - AR decoding of the same backbone (block size 1 without sidecars), the speed both are compared with.
 
 The prompts go through the tokenizer's chat template as one left-padded batch. Prints each answer and a table of
@@ -18,15 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from r2lm import R2LMForDiffusionLM, generate  # noqa: E402
-from r2lm.convert.to_hf import without_sidecars  # noqa: E402
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.convert.to_hf import without_sidecars
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
@@ -51,6 +49,7 @@ def main(argv=None) -> int:
                         help="verify=True's draft length (a verification forward reads b * (b + 2) columns)")
     parser.add_argument("--lookup-block-size", type=int, default=4,
                         help="the draft length of verify_draft='lookup' (a verification forward reads b columns)")
+    parser.add_argument("--drafter", help="a drafter trained for the model (train/pretrain.py objective=drafter)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -74,6 +73,12 @@ def main(argv=None) -> int:
                                                     **options))
         looked_up, t_lookup = timed(lambda: generate(model, ids, mask, block_size=args.lookup_block_size, verify=True,
                                                      verify_draft="lookup", **options))
+        drafted = None
+        if args.drafter:
+            from r2lm.drafter import Drafter
+
+            drafter = Drafter.from_pretrained(args.drafter).eval()
+            drafted, t_drafted = timed(lambda: generate(model, ids, mask, verify=True, drafter=drafter, **options))
         ar, t_ar = timed(lambda: generate(plain, ids, mask, block_size=1, **options))
         own = reference.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
@@ -89,11 +94,14 @@ def main(argv=None) -> int:
         width = max(a.shape[1], b.shape[1])
         return torch.equal(*(torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in (a, b)))
 
-    identical = same(verified.sequences, own) and same(looked_up.sequences, own)
-    print(f"\nverify=True output (both drafts) identical to the original model's own greedy generate: {identical}")
+    rows = [("cached parallel", parallel, t_parallel), ("verify=True", verified, t_verify),
+            ("verify=True, lookup", looked_up, t_lookup)]
+    if drafted is not None:
+        rows.append(("verify=True, drafter", drafted, t_drafted))
+    identical = all(same(out.sequences, own) for _, out, _ in rows[1:])
+    print(f"\nverify=True output (every draft) identical to the original model's own greedy generate: {identical}")
     print(f"\n{'decoding':<22}{'tokens/s':>10}{'tokens/forward':>16}{'tokens/step':>13}{'vs AR':>8}")
-    for name, out, seconds in (("cached parallel", parallel, t_parallel), ("verify=True", verified, t_verify),
-                               ("verify=True, lookup", looked_up, t_lookup), ("AR (backbone)", ar, t_ar)):
+    for name, out, seconds in (*rows, ("AR (backbone)", ar, t_ar)):
         print(f"{name:<22}{out.new_tokens / seconds:>10.1f}{out.tokens_per_forward:>16.2f}{out.tokens_per_step:>13.2f}"
               f"{(out.new_tokens / seconds) / (ar.new_tokens / t_ar):>8.2f}")
     return 0 if identical else 1

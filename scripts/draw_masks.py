@@ -18,15 +18,14 @@ windows) are marked green on the left; columns left of the blue line are in the 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from r2lm.kind import SHIFT
+from r2lm.layout import Layout, dual_stream
 
-from r2lm.layout import Layout, dual_stream  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 KINDS = [("R2LM (causal + sidecar)", "causal", False), ("block_causal", "block_causal", False),
          ("block-hybrid (causal)", "causal", True)]
@@ -35,7 +34,7 @@ KINDS = [("R2LM (causal + sidecar)", "causal", False), ("block_causal", "block_c
 def panels(kind: str, length: int, block: int):
     """[(title, layout, cached columns)]: the three layouts, as the model builds them."""
     x0 = torch.arange(length)[None]
-    _, training, _ = dual_stream(x0, x0, block, "shift")
+    _, training, _ = dual_stream(x0, x0, block, SHIFT)
     cached = 2 * block - 1  # under shift the cache holds every committed token but the last
     window = Layout.span(torch.ones(1, block), start=cached, noisy=True, chunk=1)
     fused = Layout.cat(Layout.span(torch.ones(1, block), start=cached, chunk=1),

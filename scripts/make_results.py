@@ -2,12 +2,17 @@
 typed by hand: everything below comes from the run folder.
 
     python scripts/make_results.py runs/reproduce [--out docs/results.md]
+
+The report is the file's head: the sections after it, each between `<!-- NAME: begin ... -->` and
+`<!-- NAME: end -->` markers (written by other programs, such as eval/parallel_bench.py, or by hand), are kept as
+they are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 from datetime import datetime, timezone
@@ -219,8 +224,18 @@ def main() -> None:
     md += discussion(names, ev, ratios, throughput)
     md += ["", "## Commands", "", "```", "bash scripts/reproduce_small.sh      # every stage, resumable",
            f"python scripts/make_results.py {run} --out {out}", "```", ""]
-    out.write_text("\n".join(md))
+    write_report(out, "\n".join(md))
     print(f"wrote {out} and {figures}/")
+
+
+def write_report(path: Path, report: str) -> None:
+    """`report` as the head of `path`, followed by what already follows the report there: everything from the first
+    section marker on (the sections other programs write, and hand-written ones)."""
+    text = path.read_text() if path.is_file() else ""
+    first = re.search(r"^<!-- [^\n]*: begin\b", text, re.M)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(report + ("\n" + text[first.start():] if first else ""))
+    tmp.replace(path)
 
 
 def discussion(names, ev, ratios, throughput=None) -> list[str]:

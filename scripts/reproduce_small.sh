@@ -102,7 +102,7 @@ for variant in "${VARIANTS[@]}"; do
 done
 THROUGHPUT=(--batch-sizes 1 8 32 --prompt-lengths 128 512 2048)
 [ -n "${REPRO_QUICK:-}" ] && THROUGHPUT=(--batch-sizes 1 2 --prompt-lengths 32 --new-tokens 32 --measure-tokens 8)
-stage throughput python eval/throughput.py --model "$OUT/runs/r2lm/final" --ar "$OUT/runs/ar/final" \
+stage throughput python -m eval.throughput --model "$OUT/runs/r2lm/final" --ar "$OUT/runs/ar/final" \
   --bidirectional "$OUT/runs/bidirectional/final" --causal "$OUT/runs/causal/final" --block-size 16 \
   --text "$OUT/corpus/heldout.jsonl" --out "$OUT/eval/throughput" "${THROUGHPUT[@]}"
 python scripts/make_results.py "$OUT" --out docs/results.md

@@ -30,12 +30,12 @@ from r2lm.checkpoints import (
     LEGACY_MANIFEST,
     MANIFEST,
     DamagedCheckpointError,
-    parameter_bytes,
     read_manifest,
     seal,
     verify_checkpoint,
     writing,
 )
+from r2lm.checkpoints.export import parameter_bytes
 from r2lm.convert.__main__ import main
 from r2lm.convert.from_hf import convert_from_hf
 

@@ -79,6 +79,15 @@ def test_the_drafter_trains_and_exports_beside_an_unchanged_target(trained, inpu
     assert torch.equal(out.sequences, ar.sequences)
 
 
+def test_a_training_checkpoint_loads_as_a_drafter(trained):
+    """Every checkpoint of the run is a drafter (the benchmark's tau-against-training-tokens curve reads them); the
+    last one holds the exported weights."""
+    last = complete_checkpoints(trained.run_dir / "checkpoints")[-1][1]
+    drafter = Drafter.from_training_checkpoint(last)
+    exported = load_file(trained.export_dir / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in drafter.state_dict().items())
+
+
 def test_features_are_cached_once_per_record(trained, inputs):
     cached = list((inputs[0] / "features").rglob("*.pt"))
     assert len(cached) == 24 + 6  # every training and held-out record, once

@@ -155,11 +155,11 @@ def test_a_bad_model_arg_is_named_before_the_model_loads(checkpoint, monkeypatch
     gave transformers' "Repo id must be in the form"."""
     from lm_eval.api.registry import get_model
 
-    import eval.likelihood
+    import eval.common
     import eval.lm_eval_adapter  # noqa: F401  (registers "r2lm")
 
     path = checkpoint(sidecar_layers=[1, 3])
-    monkeypatch.setattr(eval.likelihood, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(eval.common, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
     args = args.format(path=path)
     if not args.startswith("pretrained="):
         args = f"pretrained={path}" + (f",{args}" if args else "")

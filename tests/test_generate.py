@@ -67,7 +67,7 @@ def test_the_prompt_read_with_the_first_window_is_the_full_forward(clean):
     block = 1 if clean else 4
     r = make_request(model, ids, mask, max_new_tokens=8, block_size=block)
     window = ids[:, -1:] if clean else torch.cat([ids[:, -1:], torch.full((3, block - 1), MASK_ID)], 1)
-    exact, oracle = contexts.ExactCache(model, r), contexts.Recompute(model, r)
+    exact, oracle = contexts.ExactCache(model, r.prompt, r.max_new_tokens, r.caching), contexts.Recompute(model, r.prompt)
     got = exact.read(0, window, block, clean=clean)
     torch.testing.assert_close(got, oracle.read(0, window, block, clean=clean), atol=1e-5, rtol=1e-5)
     assert exact.forwards == 1

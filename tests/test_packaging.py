@@ -51,6 +51,32 @@ def test_training_and_converters_share_the_checkpoint_formats_not_each_other():
     assert importers_of("train", "r2lm.checkpoints") and importers_of("r2lm/convert", "r2lm.checkpoints")
 
 
+# What eval/ takes from train/: the records and settings of training runs it orchestrates or reads, and the packing
+# that held-out text shares with training. Evaluations share their own helpers through eval/common.py instead.
+EVAL_USES_OF_TRAIN = {
+    "eval/common.py": {"train.data"},  # pack_texts: held-out text packed as training packs it
+    "eval/gpu_check.py": {"train.tracking"},  # the metrics of the training run it launches
+    "eval/hybrid_quality.py": {"train.config", "train.data", "train.pretrain"},  # its runs' held-out set and noise
+    "eval/lossless_bench.py": {"train.tracking"},  # a drafter training run's metrics
+    "eval/smollm2_cpt.py": {"train.data", "train.tracking"},  # its run's packing and metrics
+}
+
+
+def test_eval_takes_from_train_only_what_its_runs_need():
+    uses = {file: {name for name in names if name == "train" or name.startswith("train.")}
+            for file, names in imported_modules(REPO / "eval").items()}
+    assert {file: names for file, names in uses.items() if not names <= EVAL_USES_OF_TRAIN.get(file, set())} == {}
+
+
+def test_only_the_programs_launchers_run_as_files_edit_sys_path():
+    """eval/ and scripts/ run from the repository root (python -m eval.NAME, python scripts/NAME.py with r2lm
+    installed); only the two training programs that the deepspeed launcher and the scripts run by path make the
+    repository importable themselves."""
+    files = [path for folder in ("eval", "scripts", "train") for path in sorted((REPO / folder).rglob("*"))
+             if path.suffix in (".py", ".sh") and "sys.path" in path.read_text()]
+    assert [str(path.relative_to(REPO)) for path in files] == ["train/pretrain.py", "train/teacher_data.py"]
+
+
 # ---------------------------------------------------------------------------------------------- the wheel
 
 

@@ -86,9 +86,15 @@ class DrafterSection:
                               "the first to the last, evenly spaced)", kind=list)
     draft_vocab_size: int = opt(8192, "objective drafter: it drafts from this many of the tokens most frequent in the "
                                 "training replies (0: the whole vocabulary); a smaller LM head costs less per draft")
+    init: str = opt("target", "objective drafter: start the drafter's layers from the target's top layers (and its "
+                    "final norm), which already read the target's hidden states; or from random weights",
+                    choices=("target", "random"))
     blocks: int = opt(16, "objective drafter: blocks drawn per training sequence (random anchors in its reply)")
     decay: float = opt(0.8, "objective drafter: loss weight of block column j is decay**j (an early token gates the "
                        "acceptance of every later one)")
+    feature_weight: float = opt(1.0, "objective drafter: weight of the regression of each block column's last hidden "
+                                "state onto the target's own (EAGLE's dense supervision; needs the target's last layer "
+                                "among feature_layers); 0 = cross-entropy alone")
     features_cache: Any = opt(None, "objective drafter: a folder that keeps the frozen target's features of every "
                               "record (float16), computed once instead of every epoch", kind=str,
                               resume_may_change=True)
@@ -378,6 +384,8 @@ def check_drafter(cfg: TrainConfig) -> None:
     for key in ("layers", "block_size", "blocks"):
         if getattr(section, key) <= 0:
             raise ValueError(f"config key drafter.{key} must be positive, got {getattr(section, key)}")
+    if section.feature_weight < 0:
+        raise ValueError(f"config key drafter.feature_weight must be >= 0, got {section.feature_weight}")
     if section.draft_vocab_size < 0 or not 0 < section.decay <= 1:
         raise ValueError(f"config keys drafter.draft_vocab_size must be >= 0 and drafter.decay in (0, 1], got "
                          f"{section.draft_vocab_size} and {section.decay}")

@@ -528,31 +528,42 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
     d = cfg.data
     train_src = resolve_source(d.train, d.format, "data.train")
     held_src = resolve_source(d.heldout, d.format, "data.heldout") if d.heldout is not None else None
-    seq_len, mbs, gas = cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum
-
     if d.streaming:
-        from datasets.distributed import split_dataset_by_node
+        return streaming_data(cfg, tokenizer, eos_id, rank, world, train_src, held_src)
+    return in_memory_data(cfg, tokenizer, eos_id, rank, world, train_src, held_src, first_on_node, barrier)
 
-        docs = load_documents(train_src, d, streaming=True)
-        held_docs = load_documents(held_src, d, streaming=True) if held_src else None
-        if d.heldout_fraction:
-            held_docs = split_heldout(docs, d.heldout_fraction, True, streaming=True)
-            docs = split_heldout(docs, d.heldout_fraction, False, streaming=True)
-        if d.shuffle_buffer:
-            docs = docs.shuffle(seed=cfg.seed, buffer_size=d.shuffle_buffer)
-        docs = split_dataset_by_node(docs, rank=rank, world_size=world)
-        sequences = stream_sequences(docs, tokenizer, eos_id, seq_len, "data.train")
-        train = StreamBatches(_naming_records(sequences, (train_src, held_src), d.text_field), mbs, gas)
-        heldout = None
-        if held_docs is not None:
-            wanted = cfg.eval_batches * world * mbs
-            sequences = _naming_records(_finite_sequences(held_docs, tokenizer, eos_id, seq_len), (train_src, held_src),
-                                        d.text_field)
-            rows = list(itertools.islice(sequences, wanted))
-            if not rows:
-                raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
-            heldout = EvalSet(rows, mbs, world, cfg.eval_batches)
-        return Data(train, heldout, eos_id, None)
+
+def streaming_data(cfg, tokenizer, eos_id: int, rank: int, world: int, train_src: Source, held_src: Source | None) -> Data:
+    """Data read as training reaches it: this rank's share of the shuffled documents, packed on the fly."""
+    from datasets.distributed import split_dataset_by_node
+
+    d, seq_len, mbs = cfg.data, cfg.seq_len, cfg.micro_batch_size
+    docs = load_documents(train_src, d, streaming=True)
+    held_docs = load_documents(held_src, d, streaming=True) if held_src else None
+    if d.heldout_fraction:
+        held_docs = split_heldout(docs, d.heldout_fraction, True, streaming=True)
+        docs = split_heldout(docs, d.heldout_fraction, False, streaming=True)
+    if d.shuffle_buffer:
+        docs = docs.shuffle(seed=cfg.seed, buffer_size=d.shuffle_buffer)
+    docs = split_dataset_by_node(docs, rank=rank, world_size=world)
+    sequences = stream_sequences(docs, tokenizer, eos_id, seq_len, "data.train")
+    train = StreamBatches(_naming_records(sequences, (train_src, held_src), d.text_field), mbs, cfg.grad_accum)
+    heldout = None
+    if held_docs is not None:
+        wanted = cfg.eval_batches * world * mbs
+        sequences = _naming_records(_finite_sequences(held_docs, tokenizer, eos_id, seq_len), (train_src, held_src),
+                                    d.text_field)
+        rows = list(itertools.islice(sequences, wanted))
+        if not rows:
+            raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
+        heldout = EvalSet(rows, mbs, world, cfg.eval_batches)
+    return Data(train, heldout, eos_id, None)
+
+
+def in_memory_data(cfg, tokenizer, eos_id: int, rank: int, world: int, train_src: Source, held_src: Source | None,
+                   first_on_node: bool, barrier) -> Data:
+    """Data packed once (and cached by `datasets`), indexed by (seed, step, micro-step, rank)."""
+    d, seq_len = cfg.data, cfg.seq_len
 
     def build():
         docs = load_documents(train_src, d, streaming=False)
@@ -584,8 +595,8 @@ def build_data(cfg, tokenizer, eos_id: int, rank: int, world: int, first_on_node
     if held is not None and len(held) == 0:
         raise ValueError(f"the held-out data yields no complete sequence of {seq_len} tokens")
     logger.info("training data: %d packed sequences of %d tokens (%s)", len(packed), seq_len, train_src.describe())
-    train = IndexedBatches(packed.with_format(None), mbs, gas, rank, world, cfg.seed)
-    heldout = EvalSet(held, mbs, world, cfg.eval_batches) if held is not None else None
+    train = IndexedBatches(packed.with_format(None), cfg.micro_batch_size, cfg.grad_accum, rank, world, cfg.seed)
+    heldout = EvalSet(held, cfg.micro_batch_size, world, cfg.eval_batches) if held is not None else None
     return Data(train, heldout, eos_id, len(packed))
 
 

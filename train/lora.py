@@ -34,9 +34,6 @@ def check_lora(cfg, model_config) -> None:
     """Reject a LoRA run that cannot work, before any work starts (ValueError)."""
     from r2lm import R2LMForDiffusionLM
 
-    if cfg.objective == "attention_transfer":
-        raise ValueError("lora.enabled does not combine with objective attention_transfer: stage 1 trains only the feature "
-                         "maps and gates; LoRA is stage 2 (objective block, from stage 1's export)")
     if cfg.freeze_backbone:
         raise ValueError("lora.enabled and freeze_backbone exclude each other: with LoRA only the adapters train")
     try:

@@ -62,7 +62,7 @@ class Objective:
 
             export_adapter(last_checkpoint, export_dir, model_dir, dtype=dtype, overwrite=True)
         else:
-            from r2lm.checkpoints import export_deepspeed_checkpoint
+            from r2lm.checkpoints.export import export_deepspeed_checkpoint
 
             export_deepspeed_checkpoint(last_checkpoint, export_dir, dtype=dtype, overwrite=True)
 
@@ -176,7 +176,7 @@ class Drafting(Objective):
         if cfg.lora.enabled or cfg.freeze_backbone or cfg.complementary:
             raise ValueError("objective drafter trains a drafter beside a frozen model: lora, freeze_backbone and "
                              "complementary do not apply")
-        if config.attention != "causal" or config.prediction != "shift" or config.hybrid_layers:
+        if not config.kind.verifiable:
             raise ValueError("a drafter serves verify=True, which needs a causal model with shift prediction and "
                              "softmax layers")
         self.drafter_config = DrafterConfig.for_target(config, **cfg.drafter.choices())
@@ -191,6 +191,8 @@ class Drafting(Objective):
         self.target = load_target(model_dir)
         drafter = Drafter(self.drafter_config)
         drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
+        if self.cfg.drafter.init == "target":
+            drafter.start_from(self.target)
         drafter.bind(self.target)
         self.features = FeatureCache(self.cfg.drafter.features_cache, self.target, tuple(drafter.config.feature_layers))
         logger.info("drafter: %d layers (%s in-block attention%s), draft vocabulary %d, features of target layers "
@@ -234,7 +236,8 @@ class Drafting(Objective):
         captured = [h.to(engine.device) for h in self.features(batch)]
         section = self.cfg.drafter
         return engine(captured, batch["ids"].to(engine.device), batch["valid"].to(engine.device),
-                      batch["starts"].to(engine.device), section.blocks, generator, section.decay)
+                      batch["starts"].to(engine.device), section.blocks, generator, section.decay,
+                      section.feature_weight)
 
     def write_extras(self, folder: Path, engine, plan, model_dir: Path, export_dtype: str) -> None:
         engine.module.config.save_pretrained(folder)

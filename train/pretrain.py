@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script (deepspeed / torchrun / python train/pretrain.py)
-    sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # the deepspeed and torchrun launchers run a file, whose folder is train/, not a
+    sys.path.insert(0, str(REPO))  # module: the repository becomes importable (python -m train.pretrain needs none)
 
 from train.config import TrainConfig, keys_help, load_config  # noqa: E402  (light: no torch import)
 from train.distributed import init_distributed, rank0_decides, setup_environment  # noqa: E402
@@ -487,148 +487,226 @@ def train(cfg: TrainConfig) -> Result:
 
 
 def run(cfg: TrainConfig, plan: Plan, rank: int, local_rank: int, world: int, dist, lock) -> Result:
-    """The training itself, in a locked output_dir (train() sets it up)."""
+    """The training itself, in a locked output_dir (train() sets it up): the data, the run folder, then the Trainer's
+    steps and its export."""
     import torch
     import yaml
-    from tqdm.auto import tqdm
 
-    from train import checkpointing
     from train.data import eos_id_of
-    from train.lora import base_model
-    from train.tracking import Tracker
 
-    run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
-    model_dir = resolve_path(cfg.model)
-    objective = plan.objective
     eos_id = eos_id_of(plan.tokenizer, plan.model_config)
     try:  # the data's own checks (it decodes, it fills a sequence) end the validation: nothing is written before
-        data = objective.data(plan, eos_id, rank, world, local_rank == 0, dist.barrier)
+        data = plan.objective.data(plan, eos_id, rank, world, local_rank == 0, dist.barrier)
     except ValueError:
         if lock is not None:
             lock.release(discard=True)  # and the output_dir, if this run created it
         raise
+    run_dir = Path(cfg.output_dir)
     setup_logging(rank, run_dir)
     resume_from = rank0_decides(lambda: choose_checkpoint(cfg, plan), rank, dist)
-    resume_from = Path(resume_from) if resume_from is not None else None
     if rank == 0:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    engine = build_engine(cfg, plan, model_dir)
-    model_config = base_model(engine.module).config
-    ckpt_root = run_dir / "checkpoints"
-    export_dtype = plan.source_dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+    trainer = Trainer(cfg, plan, data, rank, world, dist, Path(resume_from) if resume_from is not None else None)
+    trainer.train()
+    return trainer.finish()
 
-    def write_extras(folder: Path) -> None:  # what an export needs beside the shards
-        objective.write_extras(folder, engine, plan, model_dir, export_dtype)
 
-    start = 0
-    last_ckpt = resume_from
-    guard = DivergenceGuard(model_dir, speaks=rank == 0)  # the checkpoint a divergence names (and pruning spares)
-    resumed = {}
-    if resume_from is not None:
-        resumed = checkpointing.load(engine, resume_from)
-        start = resumed["step"]
-        guard = DivergenceGuard.resumed(model_dir, resume_from, resumed, speaks=rank == 0)
-        logger.info("resumed from %s at step %d", resume_from, start)
-        changes = data_changes_since(cfg, resumed)  # check_resume let them through: resume_data_changed=true
+# the fields of a step's record before the loss's named parts (train_step)
+STEP_FIELDS = ("kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s")
+
+
+class Trainer:
+    """The steps of one run over its engine, data, divergence guard and tracker: train() runs steps start..end
+    (train_step, log_step, maybe_evaluate, maybe_save), finish() exports. Collective: every rank runs every step,
+    and any rank's non-finite loss or gradient stops them all (NonFiniteLossError, naming the checkpoint to
+    restart from)."""
+
+    def __init__(self, cfg: TrainConfig, plan: Plan, data, rank: int, world: int, dist, resume_from: Path | None):
+        from train.lora import base_model
+        from train.tracking import Tracker
+
+        self.cfg, self.plan, self.data, self.rank, self.world, self.dist = cfg, plan, data, rank, world, dist
+        self.objective = plan.objective
+        self.run_dir, self.model_dir = Path(cfg.output_dir), resolve_path(cfg.model)
+        self.engine = build_engine(cfg, plan, self.model_dir)
+        self.model_config = base_model(self.engine.module).config
+        self.export_dtype = plan.source_dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+        self.tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+        self.start, self.end = 0, cfg.stop_at or cfg.steps
+        self.last_checkpoint = resume_from
+        self.guard = DivergenceGuard(self.model_dir, speaks=rank == 0)  # the checkpoint a divergence names (and pruning spares)
+        resumed = self.resume(resume_from) if resume_from is not None else {}
+        # what every checkpoint records of the data files (rank 0 writes the trainer state), for the next resume's check
+        self.data_files = data_record(cfg, resumed.get("data_files")) if rank == 0 else None
+        self.tracker = Tracker(cfg, self.run_dir, rank, self.start)
+        self.progress = self.gradients = None  # while train() runs
+
+    def resume(self, checkpoint: Path) -> dict:
+        """Continue `checkpoint`: the engine, optimizer and schedule as saved, the guard as it was; its trainer state."""
+        from train import checkpointing
+
+        resumed = checkpointing.load(self.engine, checkpoint)
+        self.start = resumed["step"]
+        self.guard = DivergenceGuard.resumed(self.model_dir, checkpoint, resumed, speaks=self.rank == 0)
+        logger.info("resumed from %s at step %d", checkpoint, self.start)
+        changes = data_changes_since(self.cfg, resumed)  # check_resume let them through: resume_data_changed=true
         if changes:
             logger.warning("continuing on changed data (resume_data_changed=true): %s", "; ".join(changes))
-    # what every checkpoint records of the data files (rank 0 writes the trainer state), for the next resume's check
-    data_files = data_record(cfg, resumed.get("data_files")) if rank == 0 else None
-    end = cfg.stop_at or cfg.steps
-    tracker = Tracker(cfg, run_dir, rank, start)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+        return resumed
 
-    def run_eval(step: int) -> None:
-        if data.heldout is None:
+    def train(self) -> None:
+        """Steps start..end, each followed by its record, the evaluations and checkpoints the config asks for."""
+        from tqdm.auto import tqdm
+
+        if self.data.heldout is None:
+            logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
+        if self.start == 0 and (self.cfg.eval_at_start or self.objective.eval_at_start):
+            self.evaluate_at(0)  # attention transfer: its MSE before training
+        self.progress = tqdm(total=self.end, initial=self.start, desc="train", unit="step", disable=self.rank != 0,
+                             dynamic_ncols=True)
+        self.engine.train()
+        self.gradients = GradientWatch(self.engine.module, self.engine.device)
+        try:
+            for step in range(self.start, self.end):
+                record = self.train_step(step)
+                self.log_step(record)
+                self.maybe_evaluate(record["step"])
+                self.maybe_save(record["step"])
+        finally:
+            self.gradients.remove()
+            self.progress.close()
+            self.tracker.finish()
+        self.guard.summary()
+
+    def train_step(self, step: int) -> dict:
+        """Optimizer step `step` (0-based) over grad_accum micro-batches, and its record for metrics.jsonl. A
+        non-finite loss or gradient on any rank stops the run before the update that would apply it."""
+        import torch
+
+        engine, accum = self.engine, self.cfg.grad_accum
+        t0 = time.perf_counter()
+        lr = engine.get_lr()[0]  # what this step's update applies (as restored from a checkpoint, on resume)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        parts: dict = {}  # the loss's named parts (certainty: ce, entropy, ...), summed like the loss
+        for micro in range(accum):
+            out = self.loss(step, micro)
+            for name, value in out.metrics().items():
+                parts[name] = parts.get(name, 0) + value.detach().to(torch.float64)
+            loss_sum += self.summed_over_ranks(out.loss, step, micro)
+            engine.backward(out.loss)
+            if micro == accum - 1 and not self.gradients.all_finite(self.dist):  # before the update, on every rank
+                raise self.guard.error(f"non-finite gradient (inf or NaN) at step {step + 1}, before its update")
+            engine.step()
+        return self.step_record(step + 1, loss_sum, parts, lr, time.perf_counter() - t0)
+
+    def loss(self, step: int, micro: int):
+        """The objective's loss on micro-batch (step, micro), its noise and dropout seeded by (seed, step, micro,
+        rank): a resumed run replays them exactly."""
+        import torch
+
+        batch, seed, rank = self.data.train(step, micro), self.cfg.seed, self.rank
+        generator = torch.Generator(device=self.engine.device).manual_seed(noise_seed(seed, step, micro, rank))
+        torch.manual_seed(noise_seed(seed, step, micro, rank, 1))  # dropout (LoRA) replays on resume
+        return self.objective.loss(self.engine, batch, generator, self.model_config)
+
+    def summed_over_ranks(self, loss, step: int, micro: int):
+        """`loss` summed over the ranks (float64): every rank learns of a non-finite loss anywhere, and stops."""
+        import torch
+
+        reduced = loss.detach().to(torch.float64).clone()
+        self.dist.all_reduce(reduced)
+        if not torch.isfinite(reduced):
+            raise self.guard.error(f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro})")
+        return reduced
+
+    def step_record(self, done: int, loss_sum, parts: dict, lr: float, elapsed: float) -> dict:
+        """metrics.jsonl's line of step `done`: loss and parts averaged over micro-batches and ranks, lr, gradient
+        norm, throughput. A gradient norm that overflowed stops the run."""
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            # finite gradients whose norm still overflowed: DeepSpeed skips such an update and every later one
+            raise self.guard.error(f"non-finite gradient norm ({float(grad_norm)}) at step {done}")
+        count = self.cfg.grad_accum * self.world
+        record = {
+            "kind": "train", "step": done, "loss": float(loss_sum) / count,
+            "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens": done * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
+        }
+        for name in sorted(parts):  # the same names, in the same order, on every rank
+            self.dist.all_reduce(parts[name])
+            record[name] = float(parts[name]) / count
+        return record
+
+    def log_step(self, record: dict) -> None:
+        """A step's record to metrics.jsonl (and wandb), the guard and the progress bar; every log_every steps and
+        at the last, a log line."""
+        done = record["step"]
+        self.tracker.log(record)
+        self.guard.step_done(done, record["loss"])  # finite loss and gradients: confirms the checkpoint before it
+        self.progress.update(1)
+        if done % self.cfg.log_every == 0 or done == self.end:
+            parts = "".join(f", {name} {value:.4g}" for name, value in record.items() if name not in STEP_FIELDS)
+            grad_norm = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.3g}"
+            self.progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
+            logger.info("step %d/%d: loss %.4g%s, lr %.3g, grad norm %s, %.0f tokens/s", done, self.cfg.steps,
+                        record["loss"], parts, record["lr"], grad_norm, record["tokens_per_s"])
+
+    def maybe_evaluate(self, done: int) -> None:
+        """Every eval_every steps, and after the run's last step."""
+        if (self.cfg.eval_every and done % self.cfg.eval_every == 0) or done == self.cfg.steps:
+            self.evaluate_at(done)
+
+    def evaluate_at(self, step: int) -> None:
+        """The held-out evaluation after `step` steps (none without held-out data), to metrics.jsonl and the log."""
+        if self.data.heldout is None:
             return
-        record = {"kind": "eval", "step": step, **evaluate(engine, data, cfg, objective, model_config, rank, dist)}
-        tracker.log(record)
-        layers = "".join(f", layer {k.rsplit('_', 1)[1]} MSE {v:.4g}" for k, v in record.items() if k.startswith("eval_mse_layer_"))
-        logger.info("step %d: held-out loss %.4g (%d tokens)%s", step, record["eval_loss"], record["eval_tokens"], layers)
+        metrics = evaluate(self.engine, self.data, self.cfg, self.objective, self.model_config, self.rank, self.dist)
+        record = {"kind": "eval", "step": step, **metrics}
+        self.tracker.log(record)
+        logger.info("step %d: held-out loss %.4g (%d tokens)%s", step, record["eval_loss"], record["eval_tokens"],
+                    self.objective.eval_note(record))
 
-    def state_at(step: int) -> dict:
-        return {"step": step, "world_size": world, "tokens": step * tokens_per_step, "seed": cfg.seed,
-                "config": cfg.to_dict(), "model_path": str(model_dir.resolve()),  # check_resume compares the model
-                "guard": guard.state(), "data_files": data_files}
+    def maybe_save(self, done: int) -> None:
+        """Every save_every steps, and after the last step of this launch (stop_at): a checkpoint the guard watches."""
+        from train import checkpointing
 
-    if data.heldout is None:
-        logger.info("no held-out data (data.heldout / data.heldout_fraction): held-out evaluation is off")
-    if start == 0 and (cfg.eval_at_start or objective.eval_at_start):  # attention transfer: its MSE before training
-        run_eval(0)
-    progress = tqdm(total=end, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
-    engine.train()
-    gradients = GradientWatch(engine.module, engine.device)
-    step = start
-    try:
-        for step in range(start, end):
-            t0 = time.perf_counter()
-            lr = engine.get_lr()[0]  # what this step's update applies (as restored from a checkpoint, on resume)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-            parts: dict = {}  # the loss's named parts (certainty: ce, entropy, ...), summed like the loss
-            for micro in range(cfg.grad_accum):
-                batch = data.train(step, micro)
-                generator = torch.Generator(device=engine.device).manual_seed(noise_seed(cfg.seed, step, micro, rank))
-                torch.manual_seed(noise_seed(cfg.seed, step, micro, rank, 1))  # dropout (LoRA) replays on resume
-                out = objective.loss(engine, batch, generator, model_config)
-                for name, value in out.metrics().items():
-                    parts[name] = parts.get(name, 0) + value.detach().to(torch.float64)
-                reduced = out.loss.detach().to(torch.float64).clone()
-                dist.all_reduce(reduced)  # every rank learns of a non-finite loss anywhere, and stops with it
-                if not torch.isfinite(reduced):
-                    problem = f"non-finite loss ({float(reduced)}) at step {step + 1} (micro-batch {micro})"
-                    raise guard.error(problem)
-                loss_sum += reduced
-                engine.backward(out.loss)
-                if micro == cfg.grad_accum - 1 and not gradients.all_finite(dist):  # before the update, on every rank
-                    raise guard.error(f"non-finite gradient (inf or NaN) at step {step + 1}, before its update")
-                engine.step()
-            elapsed = time.perf_counter() - t0
-            done = step + 1
-            grad_norm = engine.get_global_grad_norm()
-            if grad_norm is not None and not math.isfinite(float(grad_norm)):
-                # finite gradients whose norm still overflowed: DeepSpeed skips such an update and every later one
-                raise guard.error(f"non-finite gradient norm ({float(grad_norm)}) at step {done}")
-            record = {
-                "kind": "train", "step": done, "loss": float(loss_sum) / (cfg.grad_accum * world),
-                "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": done * tokens_per_step, "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-            }
-            for name in sorted(parts):  # the same names, in the same order, on every rank
-                dist.all_reduce(parts[name])
-                record[name] = float(parts[name]) / (cfg.grad_accum * world)
-            tracker.log(record)
-            guard.step_done(done, record["loss"])  # finite loss and gradients: confirms the checkpoint before it
-            progress.update(1)
-            if done % cfg.log_every == 0 or done == end:
-                progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
-                logger.info("step %d/%d: loss %.4g%s, lr %.3g, grad norm %s, %.0f tokens/s", done, cfg.steps,
-                            record["loss"], "".join(f", {name} {record[name]:.4g}" for name in sorted(parts)), record["lr"],
-                            f"{record['grad_norm']:.3g}" if grad_norm is not None else "n/a", record["tokens_per_s"])
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                run_eval(done)
-            if (cfg.save_every and done % cfg.save_every == 0) or done == end:
-                last_ckpt = checkpointing.save(engine, ckpt_root, done, state_at(done), write_extras, rank,
-                                               dist.barrier, cfg.keep_checkpoints, protect=guard.good)
-                guard.saved(last_ckpt)
-        step = end
-    finally:
-        gradients.remove()
-        progress.close()
-        tracker.finish()
-    guard.summary()
+        cfg = self.cfg
+        if (cfg.save_every and done % cfg.save_every == 0) or done == self.end:
+            self.last_checkpoint = checkpointing.save(
+                self.engine, self.run_dir / "checkpoints", done, self.state_at(done), self.write_extras, self.rank,
+                self.dist.barrier, cfg.keep_checkpoints, protect=self.guard.good,
+            )
+            self.guard.saved(self.last_checkpoint)
 
-    if end == cfg.steps and rank == 0:
-        objective.finish(run_dir, model_config)
-    export_dir = None
-    if cfg.export and end == cfg.steps:
-        export_dir = run_dir / "final"
-        if rank == 0:
-            objective.export(last_ckpt, export_dir, model_dir, getattr(torch, export_dtype), engine)
-        dist.barrier()
-    elif end < cfg.steps:
-        logger.info("stopped at step %d of %d (stop_at); rerun with resume=auto to continue", end, cfg.steps)
-    return Result(engine, step, run_dir, last_ckpt, export_dir)
+    def state_at(self, step: int) -> dict:
+        """The trainer state a checkpoint of step `step` records (what check_resume compares, and the guard's)."""
+        cfg = self.cfg
+        return {"step": step, "world_size": self.world, "tokens": step * self.tokens_per_step, "seed": cfg.seed,
+                "config": cfg.to_dict(), "model_path": str(self.model_dir.resolve()),  # check_resume compares the model
+                "guard": self.guard.state(), "data_files": self.data_files}
+
+    def write_extras(self, folder: Path) -> None:
+        """What a checkpoint (and its export) holds beside the shards."""
+        self.objective.write_extras(folder, self.engine, self.plan, self.model_dir, self.export_dtype)
+
+    def finish(self) -> Result:
+        """After the last step: a completed run's summary and export (final/), or how to continue a stopped one."""
+        import torch
+
+        cfg, end = self.cfg, self.end
+        if end == cfg.steps and self.rank == 0:
+            self.objective.finish(self.run_dir, self.model_config)
+        export_dir = None
+        if cfg.export and end == cfg.steps:
+            export_dir = self.run_dir / "final"
+            if self.rank == 0:
+                self.objective.export(self.last_checkpoint, export_dir, self.model_dir, getattr(torch, self.export_dtype),
+                                      self.engine)
+            self.dist.barrier()
+        elif end < cfg.steps:
+            logger.info("stopped at step %d of %d (stop_at); rerun with resume=auto to continue", end, cfg.steps)
+        return Result(self.engine, end, self.run_dir, self.last_checkpoint, export_dir)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: python train/teacher_data.py
-    sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run as a file (python train/teacher_data.py, as the scripts and README do), not a
+    sys.path.insert(0, str(REPO))  # module: the repository becomes importable (python -m train.teacher_data needs none)
 
 logger = logging.getLogger("train.teacher_data")
 

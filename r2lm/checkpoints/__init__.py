@@ -8,7 +8,10 @@ read and write checkpoints only through this package.
 - manifest: checksums.sha256, the one manifest of every folder r2lm writes: it lists every file with its sha256,
             so --overwrite recognises r2lm's folders, resume and export verify them, and loaders their weights
 - training: training runs and their DeepSpeed checkpoints: tags, complete / latest checkpoints, trainer state
-- zero:     a DeepSpeed ZeRO checkpoint's fp32 weights, and its export as an HF-format R2LM folder
+- zero:     a DeepSpeed ZeRO checkpoint's fp32 weights
+- export:   a ZeRO checkpoint exported as an HF-format R2LM folder. It builds a model, so it sits above the model,
+            which reads its own checkpoints through the modules above: this __init__ does not import it
+            (`from r2lm.checkpoints.export import export_deepspeed_checkpoint`)
 """
 
 from r2lm.checkpoints.hf import (
@@ -49,13 +52,13 @@ from r2lm.checkpoints.writing import (
     check_replaceable,
     write_checkpoint,
 )
-from r2lm.checkpoints.zero import export_deepspeed_checkpoint, load_fp32_state_dict, parameter_bytes
+from r2lm.checkpoints.zero import load_fp32_state_dict
 
 __all__ = [
     "LEGACY_MANIFEST", "MANIFEST", "OVERWRITE_HELP", "STATE_FILE", "DamagedCheckpointError", "atomic_output_dir",
     "check_destination", "check_finite", "check_replaceable", "check_tokenizer", "check_weights",
-    "complete_checkpoints", "copy_tokenizer_files", "export_deepspeed_checkpoint", "first_intact", "has_tokenizer",
-    "latest_checkpoint", "load_fp32_state_dict", "load_tokenizer", "parameter_bytes", "read_config",
+    "complete_checkpoints", "copy_tokenizer_files", "first_intact", "has_tokenizer",
+    "latest_checkpoint", "load_fp32_state_dict", "load_tokenizer", "read_config",
     "read_generation_config", "read_manifest", "read_state", "read_state_dict", "read_tensors", "resolve_checkpoint",
     "seal", "tag_of", "verify_checkpoint", "verify_files", "weight_files", "write_checkpoint",
 ]

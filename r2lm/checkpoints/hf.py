@@ -8,12 +8,14 @@ Nothing here runs code from the folder: the weights are read as tensors, checked
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import AutoTokenizer, GenerationConfig
 
 from r2lm.checkpoints.manifest import verify_files
 
@@ -95,8 +97,8 @@ def _opened(path: Path):
 def check_finite(tensors: dict[str, torch.Tensor], source) -> None:
     """Refuse NaN / inf weights (a diverged or corrupt checkpoint), naming the tensors.
 
-    A sum per tensor is one cheap pass (30x faster than isfinite().all() in fp32); it is non-finite when an element
-    is, or when the sum overflows, which the exact check then rules out."""
+    A sum per tensor is one cheap pass (far cheaper than isfinite().all(): docs/results.md, "Finite-weight check");
+    it is non-finite when an element is, or when the sum overflows, which the exact check then rules out."""
     bad = [
         name for name, t in tensors.items()
         if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()
@@ -113,8 +115,6 @@ def read_generation_config(src: Path):
     """The transformers GenerationConfig of a checkpoint folder's generation_config.json; None when it has none.
     A file that is not a JSON object of generation options is refused with a ValueError naming it: transformers
     would log it at info level and go on with its built-in defaults, so decoding would silently use other options."""
-    from transformers import GenerationConfig
-
     path = Path(src) / "generation_config.json"
     if not path.is_file():
         return None
@@ -151,12 +151,8 @@ def check_tokenizer(src: Path) -> None:
 def load_tokenizer(src: Path, **kwargs):
     """The tokenizer of a checkpoint folder (AutoTokenizer, local files only, no remote code; `kwargs` as
     AutoTokenizer takes them), or a ValueError naming the folder and what is wrong with its tokenizer files."""
-    from transformers import AutoTokenizer
-
     check_tokenizer(src)
     if (Path(src) / "tokenizer.model").is_file() and not (Path(src) / "tokenizer.json").is_file():
-        import importlib.util
-
         if importlib.util.find_spec("sentencepiece") is None:
             raise ValueError(f"the tokenizer of {src} is a sentencepiece model (tokenizer.model, no tokenizer.json): "
                              "install sentencepiece (pip install sentencepiece) to load it")

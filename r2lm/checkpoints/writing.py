@@ -23,6 +23,8 @@ from pathlib import Path, PurePosixPath
 from r2lm.checkpoints.hf import copy_tokenizer_files, read_generation_config, weight_files
 from r2lm.checkpoints.manifest import LEGACY_MANIFEST, MANIFEST, listed_files, read_manifest, seal, sha256_of
 from r2lm.checkpoints.training import training_files
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.generation_config import decoding_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -167,13 +169,11 @@ def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, token
     any) and a generation_config.json: for an R2LM, `src`'s (if any) with the decoding defaults that
     `model.generate` reads added where it has none (block_size, threshold, confidence); for a transformers
     backbone (to-hf), `src`'s as it is."""
-    from r2lm import R2LMForDiffusionLM
-    from r2lm.generation.options import decoding_generation_config
-
     src = Path(src)
     source_config = src / "generation_config.json"
     base = read_generation_config(src)  # a corrupt one is refused, not replaced by defaults or copied
-    if isinstance(model, R2LMForDiffusionLM):
+    r2lm = isinstance(model.config, R2LMConfig)
+    if r2lm:
         model.generation_config = decoding_generation_config(model.config, base)
     with atomic_output_dir(dst, overwrite) as tmp:
         model.save_pretrained(tmp)
@@ -181,7 +181,7 @@ def write_checkpoint(model, dst: Path, src: Path, overwrite: bool = False, token
             tokenizer.save_pretrained(tmp)
         else:
             copy_tokenizer_files(src, tmp)
-        if source_config.is_file() and not isinstance(model, R2LMForDiffusionLM):
+        if source_config.is_file() and not r2lm:
             shutil.copy(source_config, tmp / "generation_config.json")
 
 

@@ -22,9 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TextStreamer
 
-from r2lm.generation.options import VERIFY_DRAFTS
+from r2lm.checkpoints import check_tokenizer, check_weights, load_tokenizer, read_config
+from r2lm.device import resolve_device
+from r2lm.drafter import Drafter
+from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.sampling import CONFIDENCES
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = parser.add_argument_group("lossless verified decoding (the output is the model's own greedy AR text)")
     verify.add_argument("--verify", action="store_true",
                         help="draft --block-size tokens at a time, verify them with the causal pass (greedy only)")
-    verify.add_argument("--verify-draft", choices=VERIFY_DRAFTS,
+    verify.add_argument("--verify-draft", choices=DRAFTS,
                         help="what drafts: the diffusion window (default without --drafter), prompt lookup (copies of "
                              "the prompt and the text so far, no drafting window: suits text that repeats itself), the "
                              "drafter, or lookup where the text repeats and the drafter elsewhere (default with "
@@ -70,8 +75,6 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
     """Exit with a usage error (status 2) unless `checkpoint` is an R2LM checkpoint folder with readable weights:
     transformers would take a missing path for a hub repo id and fail with a message about repo ids, and a
     corrupt weights file with a traceback."""
-    from r2lm.checkpoints import check_tokenizer, check_weights, read_config
-
     folder = Path(checkpoint)
     if not folder.is_dir():
         parser.error(f"{checkpoint}: no such checkpoint folder")
@@ -94,8 +97,6 @@ def check_checkpoint(parser: argparse.ArgumentParser, checkpoint: str) -> None:
 
 def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
     """The --device, one this machine has (torch would fail with an assertion deep in the first copy)."""
-    from r2lm.device import resolve_device
-
     try:
         return resolve_device(name)
     except ValueError as err:
@@ -139,18 +140,11 @@ def encode(tokenizer, prompts: list[str], chat: bool, checkpoint: str):
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> None:
-    from transformers import TextStreamer
-
-    from r2lm import R2LMForDiffusionLM
-    from r2lm.checkpoints import load_tokenizer
-
     tokenizer = load_tokenizer(args.checkpoint, padding_side="left")
     batch = encode(tokenizer, args.prompt, args.chat, args.checkpoint)
     options = decoding_options(args, device)
     model = R2LMForDiffusionLM.from_pretrained(args.checkpoint).to(device).eval()
     if args.drafter:
-        from r2lm.drafter import Drafter
-
         options["drafter"] = Drafter.from_pretrained(args.drafter).to(device).eval()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
     start = time.perf_counter()

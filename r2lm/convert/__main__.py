@@ -22,6 +22,14 @@ import threading
 import torch
 
 from r2lm.checkpoints import OVERWRITE_HELP
+from r2lm.checkpoints.export import export_deepspeed_checkpoint
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.convert.from_hf import convert_from_hf
+from r2lm.convert.importers import add_parsers
+from r2lm.convert.merge_lora import merge_lora
+from r2lm.convert.to_hf import convert_to_hf
+from r2lm.convert.to_hybrid import convert_to_hybrid
+from r2lm.kind import ATTENTION, PREDICTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,8 +55,10 @@ def add_from_hf(sub) -> None:
     p.add_argument("--mask-token", default="<|mask|>", help="[MASK] token text; added to the tokenizer if missing (default: %(default)s)")
     p.add_argument("--mask-token-id", type=int, help="use this existing id as [MASK] instead of looking up --mask-token "
                    "(not an EOS or padding id: the model could never generate)")
-    p.add_argument("--attention", default="causal", choices=["causal", "block_causal", "bidirectional"], help="attention kind (default: %(default)s)")
-    p.add_argument("--prediction", default="shift", choices=["shift", "inplace"], help="which logits predict a token (default: %(default)s)")
+    p.add_argument("--attention", default=R2LMConfig.attention, choices=list(ATTENTION),
+                   help="attention kind (default: %(default)s)")
+    p.add_argument("--prediction", default=R2LMConfig.prediction, choices=list(PREDICTIONS),
+                   help="which logits predict a token (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=32, help="diffusion block length (default: %(default)s)")
     p.add_argument("--d-state", type=int, default=64, help="sidecar SSM state size (default: %(default)s)")
     p.add_argument("--expand", type=int, default=2, help="sidecar inner size / hidden size (default: %(default)s)")
@@ -64,8 +74,6 @@ def add_from_hf(sub) -> None:
 
 
 def run_from_hf(args) -> None:
-    from r2lm.convert.from_hf import convert_from_hf
-
     convert_from_hf(
         args.src,
         args.dst,
@@ -107,8 +115,6 @@ def add_deepspeed_to_hf(sub) -> None:
 
 
 def run_deepspeed_to_hf(args) -> None:
-    from r2lm.checkpoints import export_deepspeed_checkpoint
-
     export_deepspeed_checkpoint(
         args.ckpt, args.dst, tag=args.tag, dtype=DTYPES.get(args.dtype), model_config=args.model_config, overwrite=args.overwrite
     )
@@ -134,8 +140,6 @@ def add_to_hybrid(sub) -> None:
 
 
 def run_to_hybrid(args) -> None:
-    from r2lm.convert.to_hybrid import convert_to_hybrid
-
     convert_to_hybrid(args.src, args.dst, args.layers, feature_dim=args.feature_dim,
                       tie_feature_maps=not args.untied_feature_maps, overwrite=args.overwrite, seed=args.seed)
 
@@ -154,8 +158,6 @@ def add_to_hf(sub) -> None:
 
 
 def run_to_hf(args) -> None:
-    from r2lm.convert.to_hf import convert_to_hf
-
     convert_to_hf(args.src, args.dst, overwrite=args.overwrite)
 
 
@@ -176,15 +178,11 @@ def add_merge_lora(sub) -> None:
 
 
 def run_merge_lora(args) -> None:
-    from r2lm.convert.merge_lora import merge_lora
-
     merge_lora(args.src, args.adapter, args.dst, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
 
 
 def add_importers(sub) -> None:
     """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
-    from r2lm.convert.importers import add_parsers
-
     add_parsers(sub, DTYPES, layer_list)
 
 

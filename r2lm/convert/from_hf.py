@@ -12,9 +12,8 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import (
     check_destination,
     check_finite,
@@ -25,6 +24,8 @@ from r2lm.checkpoints import (
     read_state_dict,
     write_checkpoint,
 )
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,6 @@ def check_gguf(path: Path) -> None:
 
 def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
     """(config, state dict, tokenizer) of a GGUF file, dequantised by transformers (after the destination checks)."""
-    from transformers import AutoModelForCausalLM
-
     path = gguf_path(src, gguf_file)
     # Dequantised weights take about 32 / bits-per-weight times the file's size: 8x for 4-bit quantisation.
     check_destination(dst, [src], overwrite, needed_bytes=8 * path.stat().st_size)

@@ -17,7 +17,7 @@ Layout facts, read from the source models' code:
   RoPE is NeoX-style (rotate_half) over the whole head, head_dim = d_model / n_heads.
 - Dream (`modeling_dream.py`): Qwen2 names; q/k/v have a bias, o_proj none; head_dim = hidden / heads. The
   model's logits are unshifted and its sampler shifts them (`cat([logits[:, :1], logits[:, :-1]])`): the hidden
-  state at i-1 predicts token i, i.e. prediction="shift".
+  state at i-1 predicts token i: shift prediction.
 - LLaDA 2 (`modeling_llada2_moe.py`): `query_key_value` rows are [q heads | k heads | v heads] (the output is viewed
   as (..., H + 2 Hkv, head_dim) and split on the head axis); query/key_layernorm are RMSNorms over head_dim applied
   before RoPE (r2lm's qk_norm); RoPE rotates the first head_dim * partial_rotary_factor dims (NeoX rotate_half); a
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer, PreTrainedConfig
 
 from r2lm.checkpoints import (
     OVERWRITE_HELP,
@@ -45,7 +46,10 @@ from r2lm.checkpoints import (
     read_state_dict,
     write_checkpoint,
 )
+from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.convert.from_hf import is_sidecar_weight, load_backbone, seeded
+from r2lm.kind import SHIFT
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +234,7 @@ def dream_config(raw: dict) -> dict:
         qk_norm=False,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention="bidirectional",
-        prediction="shift",
+        prediction=SHIFT,
         mask_token_id=raw.get("mask_token_id", DREAM_MASK_ID),
         block_size=raw.get("block_size", DEFAULT_BLOCK_SIZE),
         **_special_ids(raw),
@@ -376,8 +380,6 @@ def import_checkpoint(
     mask_token_id / block_size override the config's (or the layout's default); sidecar_layers and sidecar
     (sidecar_d_state, sidecar_expand, ...) add zero-gated reverse Mamba sidecars, which only causal and
     block_causal models accept, initialised from `seed`; dtype defaults to the stored weights'. Returns `dst`."""
-    from r2lm import R2LMConfig, R2LMForDiffusionLM
-
     spec = LAYOUTS[layout]
     src = Path(src)
     dst = check_destination(dst, [src], overwrite)
@@ -419,8 +421,6 @@ def import_checkpoint(
 def _load_tokenizer(src: Path, mask_id: int):
     """The source tokenizer with its mask token set, or None when it needs remote code (copied verbatim then). Tokenizer
     files without a vocabulary are refused (check_tokenizer): copied, they would make a tokenizer nothing can load."""
-    from transformers import AutoTokenizer, PreTrainedConfig
-
     try:
         auto_map = json.loads((src / "tokenizer_config.json").read_text()).get("auto_map")
     except (OSError, ValueError, AttributeError):

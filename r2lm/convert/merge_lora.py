@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from r2lm.checkpoints import check_destination, check_finite, check_weights, read_config, read_tensors, write_checkpoint
+from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +86,6 @@ def attach(base, config, weights: dict[str, torch.Tensor], src, adapter):
 
 def merge_lora(src, adapter, dst, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write the merged checkpoint `dst`; returns it. Every check runs before `dst` is touched."""
-
-    from r2lm import R2LMConfig, R2LMForDiffusionLM
-
     src, adapter = Path(src), Path(adapter)
     dst = check_destination(dst, [src, adapter], overwrite)
     if read_config(src).get("model_type") != "r2lm":

@@ -21,8 +21,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import check_destination, check_finite, check_weights, read_config, write_checkpoint
+from r2lm.kind import ATTENTION
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def transformers_backbone(model: R2LMForDiffusionLM):
     config = model.config
     if config.sidecar_layers or config.hybrid_layers:
         raise ValueError("sidecar and block-hybrid layers have no transformers counterpart; export a backbone without them")
-    if config.attention != "causal":
+    if config.kind.attention != ATTENTION["causal"]:  # what transformers' causal LMs run
         raise ValueError(f"a transformers causal LM cannot run {config.attention!r} attention")
     if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("this backbone's RoPE rotates part of each head (partial_rotary_factor "

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import check_destination, read_config, read_state_dict, write_checkpoint
+from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.convert.from_hf import load_backbone, seeded
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 

@@ -14,18 +14,69 @@ loop (r2lm.generation.decoding).
 Each has `read(start, window, n, clean)` -> logits [B, n, V] predicting the block's n tokens (generated
 positions [start, start + n)), `commit(window)` once the block is final, `keep_rows(keep, canvas)` when finished
 rows leave the batch (after a commit; `canvas` is the remaining rows' canvas), `forwards` and `close()`. The window is
-the canvas columns the block is read through (r2lm.generation.decoding.window_columns): under `shift` the token
+the canvas columns the block is read through (r2lm.kind.ModelKind.window_columns): under `shift` the token
 before the block and the block but its last token, column j predicting block token j; under `inplace` the block;
 either followed by clean suffix tokens when infilling. `clean`: the window holds no [MASK].
+
+Which one a call gets, and with which cache, is said by its `Caching` options, checked here.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from r2lm.cache import KVCache
 from r2lm.generation.window import WindowReader
 from r2lm.layout import Layout
+from r2lm.prefix.bicache import BiCache
+from r2lm.prefix.cache import PrefixCache
+from r2lm.prefix.prefill import prefill_rows
+
+APPROXIMATE_CACHES = (None, "prefix", "dual")
+
+
+@dataclass(frozen=True)
+class Caching:
+    """How committed text is held: the exact KV cache (`use_cache`; `compile`: its decode step torch.compiled;
+    `prefix_cache`: resumed from an r2lm.prefix.PrefixCache), or for bidirectional models Fast-dLLM's
+    `approximate_cache` or BiCache's stored prefix (`bicache`)."""
+
+    use_cache: bool = True
+    compile: bool = False
+    approximate_cache: str | None = None
+    prefix_cache: PrefixCache | None = None
+    bicache: BiCache | None = None
+
+    @classmethod
+    def of(cls, options: dict, kind) -> Caching:
+        use_cache, compile_ = bool(options.get("use_cache", True)), bool(options.get("compile", False))
+        approximate, prefix_cache, bicache = (options.get(k) for k in ("approximate_cache", "prefix_cache", "bicache"))
+        if approximate not in APPROXIMATE_CACHES:
+            raise ValueError(f"approximate_cache must be None, 'prefix' or 'dual', got {approximate!r}")
+        if approximate and kind.exact_cache:
+            raise ValueError("approximate_cache is for bidirectional models; causal and block_causal models have an "
+                             "exact cache")
+        if prefix_cache is not None:
+            if not isinstance(prefix_cache, PrefixCache):
+                raise ValueError(f"prefix_cache must be an r2lm.prefix.PrefixCache, got {type(prefix_cache).__name__}")
+            if not use_cache or not kind.exact_cache:
+                raise ValueError("prefix_cache reuses exact keys: it needs use_cache=True and a causal or block_causal "
+                                 "model")
+        if bicache is not None:
+            if not isinstance(bicache, BiCache):
+                raise ValueError(f"bicache must be an r2lm.prefix.BiCache, got {type(bicache).__name__}")
+            if kind.exact_cache:
+                raise ValueError("bicache is the approximate shallow-layer prefix reuse of bidirectional models; "
+                                 "causal and block_causal models reuse exact keys with prefix_cache")
+            if approximate is not None:
+                raise ValueError("bicache runs in the no-cache bidirectional decoder; it does not combine with "
+                                 "approximate_cache")
+        if compile_ and (not use_cache or not kind.exact_cache):
+            raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True and a causal or "
+                             "block_causal model")
+        return cls(use_cache, compile_, approximate, prefix_cache, bicache)
 
 
 def sidecars_active(model) -> bool:
@@ -33,50 +84,48 @@ def sidecars_active(model) -> bool:
 
 
 def open_context(model, r, canvas: torch.Tensor):
-    if model.config.attention == "bidirectional":
-        return Canvas(model, r, canvas)
-    return ExactCache(model, r) if r.use_cache else Recompute(model, r)
+    """The context of request `r` (r2lm.generation.options.Request) over its canvas."""
+    if not model.config.kind.exact_cache:
+        return Canvas(model, r.prompt, r.max_new_tokens, r.caching, canvas)
+    if r.caching.use_cache:
+        return ExactCache(model, r.prompt, r.max_new_tokens, r.caching)
+    return Recompute(model, r.prompt)
 
 
-def _head(model, r):
-    """The prompt's part held as context: all of it under `inplace`, all but its last token under `shift` (that
-    token opens the first window)."""
-    ids, mask = r.input_ids, r.attention_mask
-    if model.config.prediction == "shift":
-        return ids[:, :-1], mask[:, :-1]
-    return ids, mask
+def _head(model, prompt):
+    """The prompt's part held as context (ModelKind.head: all of it, or all but the last token under shift)."""
+    n = model.config.kind.head(prompt.input_ids.shape[1])
+    return prompt.input_ids[:, :n], prompt.attention_mask[:, :n]
 
 
 class ExactCache:
-    def __init__(self, model, r, extra_room: int = 0):
-        from r2lm.prefix.prefill import prefill_rows
+    """`new_tokens`: the columns to hold after the prompt (generated tokens, and a verifier's scratch)."""
 
+    def __init__(self, model, prompt, new_tokens: int, caching: Caching):
         self.model = model
-        head, head_mask = _head(model, r)
-        batch = r.input_ids.shape[0]
-        room = r.input_ids.shape[1] + r.max_new_tokens + r.suffix_ids.shape[1] + extra_room
+        head, head_mask = _head(model, prompt)
+        batch = prompt.input_ids.shape[0]
+        room = prompt.input_ids.shape[1] + new_tokens + prompt.suffix_ids.shape[1]
         self.pinned, forwards, self.head = [], 0, None
-        config = model.config
-        # plain causal attention: a clean span read with what follows it keeps its own keys and states (no chunk
-        # it shares with later columns: block_causal attention sees within a chunk, block-hybrid layers fold chunks)
-        plain_causal = config.attention == "causal" and not config.hybrid_layers
-        if r.prefix_cache is not None:  # rows resume from their cached prefixes
+        kind = model.config.kind
+        if caching.prefix_cache is not None:  # rows resume from their cached prefixes
             rows = [row[keep.bool()].tolist() for row, keep in zip(head, head_mask, strict=True)]
-            self.prefix_cache = r.prefix_cache
-            cache, self.pinned, forwards = prefill_rows(model, r.prefix_cache, rows, max(map(len, rows)) + room - head.shape[1])
+            self.prefix_cache = caching.prefix_cache
+            cache, self.pinned, forwards = prefill_rows(model, self.prefix_cache, rows,
+                                                        max(map(len, rows)) + room - head.shape[1])
         else:
             cache = KVCache(model.config, batch, room, model.dtype, model.device)
-            if head.shape[1] and plain_causal:
+            if head.shape[1] and kind.plain_causal:  # its keys are its own, whatever is read with it
                 self.head = (head, head_mask)  # appended by the forward that reads the first window
             elif head.shape[1]:  # (the prompt on the block grid, or folded block by block: its own forward)
                 model.prefill(head, cache, attention_mask=head_mask)
                 forwards = 1
-        self.reader = WindowReader(model, cache, compile=r.compile)
+        self.reader = WindowReader(model, cache, compile=caching.compile)
         self.reader.forwards = forwards
         # A window without [MASK] can be committed by the forward that reads it only where that forward equals the
         # commit: no active sidecar (it would touch the window), plain causal attention (the previous block's clean
         # columns are read with it as one clean span) -- the AR baseline.
-        self.clean_commits = config.prediction == "shift" and plain_causal and not sidecars_active(model)
+        self.clean_commits = kind.shift and kind.plain_causal and not sidecars_active(model)
         self.pending = None  # a finished block's clean columns, appended by the next read
         self.committed = False  # the block being decoded was committed by the read of its clean window
 
@@ -146,9 +195,9 @@ class ExactCache:
 class Recompute:
     """Committed tokens kept as ids: every read recomputes the full layout."""
 
-    def __init__(self, model, r):
+    def __init__(self, model, prompt):
         self.model, self.forwards = model, 0
-        head, head_mask = _head(model, r)
+        head, head_mask = _head(model, prompt)
         self.ids, self.layouts = [], []
         self.next_position = torch.zeros(head.shape[0], dtype=torch.long, device=head.device)
         self.next_chunk = 0
@@ -186,15 +235,16 @@ class Canvas:
     filled semi-autoregressively (positions beyond the current block are not candidates). Under `shift` (Dream)
     canvas position p is predicted by the logits of p - 1."""
 
-    def __init__(self, model, r, canvas):
+    def __init__(self, model, prompt, new_tokens: int, caching: Caching, canvas):
         self.model, self.canvas, self.forwards = model, canvas, 0
-        batch, self.prompt_len = r.input_ids.shape
-        self.lead = int(model.config.prediction == "shift")
-        self.mask = torch.cat([r.attention_mask, r.attention_mask.new_ones(batch, canvas.shape[1] - self.prompt_len)], 1)
-        self.approximate, self.cache, self.block = r.approximate_cache, None, None
+        ids, mask = prompt.input_ids, prompt.attention_mask
+        batch, self.prompt_len = ids.shape
+        self.lead = model.config.kind.lead
+        self.mask = torch.cat([mask, mask.new_ones(batch, canvas.shape[1] - self.prompt_len)], 1)
+        self.approximate, self.cache, self.block = caching.approximate_cache, None, None
         self.reuse = None
-        if r.bicache is not None:
-            self.reuse = r.bicache.prepare(model, r.input_ids, r.attention_mask, r.max_new_tokens, self.lead)
+        if caching.bicache is not None:
+            self.reuse = caching.bicache.prepare(model, ids, mask, new_tokens, self.lead)
 
     def read(self, start, window, n, clean: bool):
         model, canvas = self.model, self.canvas

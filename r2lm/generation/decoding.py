@@ -12,7 +12,7 @@
 How the committed text is held and read is the context's business (r2lm.generation.contexts): the exact KV cache
 of causal and block_causal models, its recompute oracle (use_cache=False), and the canvas of bidirectional
 models with their approximate caches. Unmasking rules and confidences: r2lm.generation.sampling. Options and
-their checks: r2lm.generation.options.
+their checks: r2lm.generation.options. `model.generate` reaches this through r2lm.generation.mixin.
 """
 
 from __future__ import annotations
@@ -32,56 +32,46 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              **options) -> GenerateOutput:
     """Decode up to `max_new_tokens` after left-padded prompts `input_ids` [B, P].
 
-    Options (r2lm.generation.options has each one's check; defaults come from `generation_config`, else the
-    model's generation_config.json): max_new_tokens=128, block_size (the model's), one unmasking rule:
-    threshold=0.9 | factor | steps (LLaDA's total steps); confidence ("max_prob", "margin", "entropy");
-    temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id, pad_token_id, stop_strings +
-    tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each block; verify=True: after every
-    token), streamer,
-    step_callback (called with a StepInfo after every step); use_cache=True, compile=False (torch.compile the
-    cached decode step), verify=False (lossless: the model's greedy AR output, drafted by the window and verified
-    by the causal pass, r2lm.generation.verify; block_size is then the draft length) and verify_windows (drafting
-    windows per verification forward, 2 .. block_size + 1, default all) or verify_draft="lookup" (drafts copied
-    from each row's own text, prompt lookup, with no drafting windows), prefix_cache (an r2lm.prefix.PrefixCache: exact cross-request reuse); bidirectional
-    models only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an
-    r2lm.prefix.BiCache: APPROXIMATE reuse of a stored shared prefix).
+    Options (r2lm.generation.options groups them, each group checked beside the code that uses it; defaults come
+    from `generation_config`, else the model's generation_config.json): max_new_tokens=128, suffix_ids (infilling);
+    block_size (the model's), one unmasking rule: threshold=0.9 | factor | steps (LLaDA's total steps); confidence
+    ("max_prob", "margin", "entropy"); temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id,
+    pad_token_id, stop_strings + tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each
+    block; verify=True: after every token), streamer, step_callback (called with a StepInfo after every step);
+    use_cache=True, compile=False (torch.compile the cached decode step), prefix_cache (an r2lm.prefix.PrefixCache:
+    exact cross-request reuse); verify=False (lossless: the model's greedy AR output, drafted and verified by the
+    causal pass, r2lm.generation.verify; block_size is then the draft length) with verify_windows (drafting
+    windows per verification forward, 2 .. block_size + 1, default all), verify_draft (r2lm.generation.drafts:
+    "window", "lookup", "drafter", "lookup+drafter") and drafter (an r2lm.drafter.Drafter); bidirectional models
+    only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an r2lm.prefix.BiCache:
+    APPROXIMATE reuse of a stored shared prefix).
     """
     r = make_request(model, input_ids, attention_mask, generation_config, **options)
-    return decode_verified(model, r) if r.verify else decode(model, r)
-
-
-def window_columns(prompt_len: int, start: int, end: int, block_size: int, n: int, suffix: int, shift: bool) -> slice:
-    """The canvas columns through which the block of generated positions [start, end) is read: under `shift` the
-    token before the block, then the block but its last token (nothing reads that token until the next block);
-    under `inplace` the block. When infilling, clean suffix tokens within a block's width of the block start join
-    its window (every one of them is an input under `shift`); later ones lie beyond the block and are not seen."""
-    if shift:
-        return slice(prompt_len + start - 1, prompt_len + min(start + block_size - 1, n + suffix if suffix else end - 1))
-    return slice(prompt_len + start, prompt_len + min(start + block_size, n + suffix))
+    return decode_verified(model, r) if r.verifying.verify else decode(model, r)
 
 
 def decode(model, r: Request) -> GenerateOutput:
-    ids = r.input_ids
-    (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.block_size
-    shift, suffix = model.config.prediction == "shift", r.suffix_ids.shape[1]
-    canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), r.suffix_ids], 1)
-    stopper = Stopper(r, batch, ids.device)
+    ids, suffix, kind = r.prompt.input_ids, r.prompt.suffix_ids, model.config.kind
+    (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.unmasking.block_size
+    u, s = r.unmasking, r.sampling
+    canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), suffix], 1)
+    stopper = Stopper(r.stopping, batch, ids.device)
     stopper.stream(ids)
-    steps_per_block = r.steps // r.num_blocks if r.steps else None
+    steps_per_block = u.steps // r.num_blocks if u.steps else None
     step = end = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)  # read once, at the end: no sync per step
     # The rows still decoding: once a row has finished (EOS, a stop) it leaves the forwards at the end of its block,
     # so a batch costs about its rows' own forwards. `work` is their canvas (the canvas itself until a row leaves),
     # `rows` their indices in the batch (None: every row). Not under compile=True (a new batch size recompiles).
-    work, rows, leave = canvas, None, not r.compile
+    work, rows, leave = canvas, None, not r.caching.compile
     context = open_context(model, r, canvas)
     try:
         for start in range(0, n, b):
             end = min(start + b, n)
             block = work[:, prompt_len + start : prompt_len + end]  # a view: unmasking writes straight into it
             finished = stopper.finished if rows is None else stopper.finished[rows]
-            block.masked_fill_(finished[:, None], r.pad_id)  # finished rows (compile=True keeps them) have nothing left
-            columns = window_columns(prompt_len, start, end, b, n, suffix, shift)
+            block.masked_fill_(finished[:, None], stopper.pad_id)  # rows finished (compile=True keeps them): no more
+            columns = kind.window_columns(prompt_len, start, end, b, n, suffix.shape[1])
             window = work[:, columns]  # a view: it follows the unmasking
             inputs = min(columns.stop - prompt_len, end) - start  # block positions that are window inputs
             counts = schedule(block == r.mask_id, steps_per_block) if steps_per_block else None
@@ -89,11 +79,11 @@ def decode(model, r: Request) -> GenerateOutput:
             for i in range(end - start):  # at least one token per row and step: at most L steps
                 logits = context.read(start, window, end - start, clean=not window_masked)
                 row_steps += masked.any(1).sum()  # the rows this step decodes
-                tokens, conf = propose(logits, r.mask_id, r.temperature, r.top_k, r.top_p, r.confidence, r.generator)
-                take = select(conf, masked, r.threshold, r.factor, counts[:, i] if counts is not None else None)
+                tokens, conf = propose(logits, r.mask_id, s.temperature, s.top_k, s.top_p, u.confidence, s.generator)
+                take = select(conf, masked, u.threshold, u.factor, counts[:, i] if counts is not None else None)
                 block.copy_(torch.where(take, tokens, block))
                 if r.step_callback is not None:
-                    seen = ((masked, False), (tokens, r.pad_id), (conf, 0.0), (take, False), (logits, 0.0))
+                    seen = ((masked, False), (tokens, stopper.pad_id), (conf, 0.0), (take, False), (logits, 0.0))
                     r.step_callback(StepInfo(step, start, *(spread(x, rows, batch, f) for x, f in seen)))
                 stopper.check_eos(block, start, rows)
                 step += 1

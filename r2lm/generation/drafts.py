@@ -109,7 +109,7 @@ class ModelDrafts(CleanDrafts):
         self.capture = tuple(drafter.config.feature_layers)
         # the drafter's context grows by every column a forward reads (a row's uncommitted ones invalid), at most b
         # per committed token, then a block's scratch
-        self.cache = drafter.new_cache(state.batch, state.prompt_len + (state.n + 2) * state.b)
+        self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b)
 
     def first(self):
         s = self.state
@@ -125,9 +125,9 @@ class ModelDrafts(CleanDrafts):
         # every column the forward read, those a row did not commit invalid (no host sync to trim them)
         kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
         kept = kept < length[:, None]
-        self.drafter.append(self.cache, captured, kept if head is None else torch.cat([head, kept], 1))
+        self.drafter.append(self.context, captured, kept if head is None else torch.cat([head, kept], 1))
         opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
-        draft = self.drafter.draft(self.cache, opener)[:, : s.b]  # (a block_size below the drafter's: cut)
+        draft = self.drafter.draft(self.context, opener)[:, : s.b]  # (a block_size below the drafter's: cut)
         if draft.shape[1] < s.b:  # (above: [MASK] after the drafter's block)
             draft = torch.cat([draft, draft.new_full((draft.shape[0], s.b - draft.shape[1]), s.mask_id)], 1)
         if self.lookup:  # a row whose text repeats itself copies it instead
@@ -136,7 +136,7 @@ class ModelDrafts(CleanDrafts):
         return draft, torch.ones_like(draft, dtype=torch.float)
 
     def keep_rows(self, stay) -> None:
-        self.cache.keep_rows(stay)
+        self.context.keep_rows(stay)
 
 
 class WindowDrafts:

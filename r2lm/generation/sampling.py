@@ -13,13 +13,95 @@ Unmasking rules (each takes at least one token per row that still has a [MASK]):
     factor     the n most confident, for the largest n whose n-th confidence >= 1 - factor / (n + 1) (Fast-dLLM)
     steps      LLaDA's schedule: a block's steps share its masked tokens evenly, the first (m mod s) steps taking
                one more (`schedule`), the most confident first
+
+The generate() options that choose them are checked here: `Unmasking` (block_size, the rule, confidence) and
+`Sampling` (temperature, top_k, top_p, do_sample, generator).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
+from r2lm.generation.checks import positive_int, real
+from r2lm.generation_config import DEFAULT_THRESHOLD, RULES
+
 CONFIDENCES = ("max_prob", "margin", "entropy")
+
+
+@dataclass(frozen=True)
+class Unmasking:
+    """How a denoising step unmasks: exactly one rule (threshold, factor, or LLaDA's `steps` in total), positions
+    ranked by `confidence`, in blocks of `block_size` generated tokens."""
+
+    block_size: int
+    threshold: float | None = DEFAULT_THRESHOLD
+    factor: float | None = None
+    steps: int | None = None
+    confidence: str = "max_prob"
+
+    @classmethod
+    def of(cls, options: dict, model_block_size: int, max_new_tokens: int) -> Unmasking:
+        block_size = positive_int("block_size", options.get("block_size", model_block_size))
+        given = [rule for rule in RULES if options.get(rule) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one unmasking rule among {RULES}, got {given}")
+        threshold = DEFAULT_THRESHOLD if not given else options.get("threshold")
+        factor, steps = options.get("factor"), options.get("steps")
+        if threshold is not None and not (real(threshold) and 0 < threshold <= 1):
+            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        if factor is not None and not (real(factor) and factor > 0):
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        num_blocks = -(-max_new_tokens // block_size)
+        if steps is not None:
+            steps = positive_int("steps", steps)
+            if steps % num_blocks:
+                raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks}: "
+                                 f"max_new_tokens {max_new_tokens} in blocks of {block_size}), as in LLaDA")
+        confidence = options.get("confidence", "max_prob")
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"unknown confidence {confidence!r}; expected one of {CONFIDENCES}")
+        return cls(block_size, threshold, factor, steps, confidence)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a proposal is drawn: greedy at temperature 0, else sampled after top-k and nucleus (top-p) filtering."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, options: dict) -> Sampling:
+        temperature, top_k, top_p = _filters(options)
+        generator = options.get("generator")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        return cls(temperature, top_k, top_p, generator)
+
+
+def _filters(options: dict) -> tuple[float, int | None, float | None]:
+    """(temperature, top_k, top_p). transformers' do_sample=False means greedy whatever the temperature;
+    do_sample=True samples with transformers' defaults (temperature 1, top_k 50)."""
+    do_sample = options.get("do_sample")
+    if do_sample is False:
+        return 0.0, None, None
+    default_temperature, default_top_k = (1.0, 50) if do_sample else (0.0, None)
+    temperature = options.get("temperature", default_temperature)
+    top_k, top_p = options.get("top_k", default_top_k), options.get("top_p")
+    if not (real(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if do_sample and temperature == 0:
+        raise ValueError("do_sample=True needs a temperature > 0")
+    if top_k is not None:
+        top_k = positive_int("top_k", top_k)
+    if top_p is not None and not (real(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return float(temperature), top_k, None if top_p is None or top_p == 1.0 else float(top_p)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

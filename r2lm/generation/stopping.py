@@ -1,15 +1,59 @@
 """When each row of a generate() call stops (EOS, stop strings, transformers StoppingCriteria, max_new_tokens)
-and what the streamer receives."""
+and what the streamer receives; the options that say so (`Stopping`) and their checks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+from r2lm.generation.checks import token_list
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """eos_ids stop a row (once no [MASK] precedes them); pad_id fills a row after its stop; stop_strings (read
+    with the tokenizer) and stopping_criteria are checked on the text; the streamer receives committed tokens."""
+
+    eos_ids: list[int]
+    pad_id: int
+    mask_id: int
+    stop_strings: list[str] = field(default_factory=list)
+    tokenizer: object = None
+    stopping_criteria: list = field(default_factory=list)
+    streamer: object = None
+
+    @classmethod
+    def of(cls, options: dict, config, mask_id: int) -> Stopping:
+        eos = token_list("eos_token_id", options.get("eos_token_id", config.eos_token_id), config.vocab_size)
+        pad_id = options.get("pad_token_id", config.pad_token_id)
+        if pad_id is None:
+            pad_id = eos[0] if eos else 0
+        pad_id = token_list("pad_token_id", pad_id, config.vocab_size)[0]
+        if mask_id in eos:  # every [MASK] still to decode would read as an EOS
+            raise ValueError(f"eos_token_id includes the mask token id {mask_id}")
+        stop_strings = options.get("stop_strings") or []
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        if not all(isinstance(s, str) and s for s in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+        tokenizer = options.get("tokenizer")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer (pass tokenizer=...)")
+        criteria = options.get("stopping_criteria") or []
+        if callable(criteria):
+            criteria = [criteria]
+        if not all(callable(c) for c in criteria):
+            raise ValueError("stopping_criteria must be transformers StoppingCriteria (callables returning a bool per "
+                             "row)")
+        return cls(eos, pad_id, mask_id, stop_strings, tokenizer, criteria, options.get("streamer"))
 
 
 class Stopper:
-    """Per-row stopping. `stop_at[row]` is the number of generated tokens the row keeps (-1 while running)."""
+    """Per-row stopping under the `Stopping` options `r`. `stop_at[row]` is the number of generated tokens the row
+    keeps (-1 while running)."""
 
-    def __init__(self, r, batch: int, device, every_token: bool = False):
+    def __init__(self, r: Stopping, batch: int, device, every_token: bool = False):
         self.eos = torch.tensor(r.eos_ids, dtype=torch.long, device=device)
         self.pad_id, self.mask_id = r.pad_id, r.mask_id
         self.stop_strings, self.tokenizer, self.streamer = r.stop_strings, r.tokenizer, r.streamer

@@ -53,25 +53,76 @@ layer folds its keys inside the forward, before the accepted length is known).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from r2lm.generation.contexts import ExactCache
-from r2lm.generation.drafts import LookupDrafts, ModelDrafts, WindowDrafts, drafted_outcomes
+from r2lm.generation.drafts import DRAFTS, LookupDrafts, ModelDrafts, WindowDrafts, drafted_outcomes
 from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
+from r2lm.kind import ATTENTION
+
+
+@dataclass(frozen=True)
+class Verifying:
+    """verify=True and how it drafts: `draft` (DRAFTS), `windows` (window drafts: drafting windows per verification
+    forward, None: block_size + 1), `drafter` (an r2lm.drafter.Drafter for the model), `block_size` (the draft
+    length: the drafter's own unless block_size is given, never more than max_new_tokens)."""
+
+    verify: bool = False
+    windows: int | None = None
+    draft: str = "window"
+    drafter: object = None
+    block_size: int = 0
+
+    @classmethod
+    def of(cls, options: dict, config, block_size: int, block_size_given: bool, max_new_tokens: int) -> Verifying:
+        verify, windows = bool(options.get("verify", False)), options.get("verify_windows")
+        drafter = options.get("drafter")
+        if windows is not None:
+            if not verify:
+                raise ValueError("verify_windows sets how verify=True drafts; pass verify=True")
+            if not (isinstance(windows, int) and 2 <= windows <= block_size + 1):
+                raise ValueError(f"verify_windows must be an int in [2, block_size + 1] = [2, {block_size + 1}], "
+                                 f"got {windows!r}")
+        draft = options.get("verify_draft") or ("lookup+drafter" if drafter is not None else "window")
+        if draft not in DRAFTS:
+            raise ValueError(f"verify_draft must be one of {DRAFTS}, got {draft!r}")
+        if (draft != "window" or drafter is not None) and not verify:
+            raise ValueError("verify_draft and drafter set how verify=True drafts; pass verify=True")
+        if draft != "window" and windows is not None:
+            raise ValueError(f"verify_windows counts drafting windows; verify_draft={draft!r} drafts without any")
+        if ("drafter" in draft) != (drafter is not None):
+            raise ValueError(f"verify_draft={draft!r} " + ("needs a drafter (drafter=...)" if drafter is None else
+                             "does not use the drafter given: use verify_draft='drafter' or 'lookup+drafter'"))
+        if drafter is not None:
+            # the drafts interface (r2lm.generation.drafts.ModelDrafts), as r2lm.drafter.Drafter implements it
+            if not all(callable(getattr(drafter, name, None)) for name in ("check_target", "bind", "draft")):
+                raise ValueError(f"drafter must be an r2lm.drafter.Drafter, got {type(drafter).__name__}")
+            drafter.check_target(config)
+            if not block_size_given:  # the drafter's own draft length, unless asked otherwise
+                block_size = drafter.config.block_size
+        if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
+            block_size = max_new_tokens
+            windows = None if windows is None else min(windows, block_size + 1)
+        return cls(verify, windows, draft, drafter, block_size)
 
 
 def check_verifiable(config, r) -> None:
-    if config.attention != "causal" or config.prediction != "shift":
-        raise ValueError("verify=True checks drafts against the causal AR pass: it needs attention='causal' and "
+    """What else verify=True needs of the model and of request `r`."""
+    kind = config.kind
+    if not kind.ar:
+        causal = " or ".join(f"attention={name!r}" for name, rule in ATTENTION.items() if rule.token_causal)
+        raise ValueError(f"verify=True checks drafts against the causal AR pass: it needs {causal} and "
                          f"prediction='shift', got {config.attention!r} / {config.prediction!r}")
-    if config.hybrid_layers:
+    if kind.hybrid:
         raise ValueError("verify=True needs softmax attention layers: block-hybrid layers fold their keys inside the "
                          "forward, before the accepted length is known")
-    if r.temperature > 0:
+    if r.sampling.temperature > 0:
         raise ValueError("verify=True reproduces greedy AR decoding: it does not sample (temperature must be 0)")
-    if not r.use_cache or r.suffix_ids.shape[1]:
+    if not r.caching.use_cache or r.prompt.suffix_ids.shape[1]:
         raise ValueError("verify=True decodes with the exact cache (use_cache=True) and no suffix_ids")
 
 
@@ -81,41 +132,41 @@ class Verification:
     still in the forwards (`rows`, indices into the batch), and the exact cache they are verified against."""
 
     def __init__(self, model, r, forward_width: int):
-        ids = r.input_ids
+        ids = r.prompt.input_ids
         self.model, self.r, self.input_ids = model, r, ids
-        (self.batch, self.prompt_len), self.n, self.b = ids.shape, r.max_new_tokens, r.block_size
+        (self.batch, self.prompt_len), self.n, self.b = ids.shape, r.max_new_tokens, r.verifying.block_size
         self.mask_id, self.device = r.mask_id, ids.device
-        self.text = ids.new_full((self.batch, self.prompt_len + self.n + 2 * self.b), r.pad_id)
-        self.text[:, : self.prompt_len] = ids.masked_fill(r.attention_mask == 0, -1)
+        self.text = ids.new_full((self.batch, self.prompt_len + self.n + 2 * self.b), r.stopping.pad_id)
+        self.text[:, : self.prompt_len] = ids.masked_fill(r.prompt.attention_mask == 0, -1)
         self.out = self.text[:, self.prompt_len :]
         self.written = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.rows = torch.arange(self.batch, device=self.device)
         growth = min(self.n * self.b, self.batch * (self.n + self.b))  # cache columns the loop may keep (docstring)
-        self.context = ExactCache(model, r, extra_room=growth - self.n + forward_width)
+        self.context = ExactCache(model, r.prompt, growth + forward_width, r.caching)
         self.reader = self.context.reader
 
 
-def drafts_of(state: Verification, r):
-    if r.verify_draft == "window":
-        return WindowDrafts(state, r.verify_windows)
-    if r.verify_draft == "lookup":
+def drafts_of(state: Verification, v: Verifying):
+    if v.draft == "window":
+        return WindowDrafts(state, v.windows)
+    if v.draft == "lookup":
         return LookupDrafts(state)
-    return ModelDrafts(state, r.drafter, lookup=r.verify_draft == "lookup+drafter")
+    return ModelDrafts(state, v.drafter, lookup=v.draft == "lookup+drafter")
 
 
 def decode_verified(model, r) -> GenerateOutput:
     check_verifiable(model.config, r)
-    b = r.block_size
-    window = r.verify_draft == "window"
-    s = Verification(model, r, b * (len(drafted_outcomes(b, r.verify_windows)) + 1) if window else b)
-    drafts = drafts_of(s, r)
+    v, ids = r.verifying, r.prompt.input_ids
+    b, window = v.block_size, v.draft == "window"
+    s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if window else b)
+    drafts = drafts_of(s, v)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
-    stopper = Stopper(r, s.batch, s.device, every_token=True)
-    stopper.stream(r.input_ids)
+    stopper = Stopper(r.stopping, s.batch, s.device, every_token=True)
+    stopper.stream(ids)
     reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
     cols = torch.arange(b, device=s.device)
-    opener = r.input_ids[:, -1:]
-    leave = not r.compile  # a finished row leaves the forwards (not under compile=True: a new batch size recompiles)
+    opener = ids[:, -1:]
+    leave = not r.caching.compile  # a finished row leaves the forwards (not under compile=True: a new batch size recompiles)
     iterations = streamed = 0
     row_steps = torch.zeros((), dtype=torch.long, device=s.device)
     try:
@@ -152,7 +203,7 @@ def decode_verified(model, r) -> GenerateOutput:
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, s.n, s.written.clamp(max=s.n)).min())
-                stopper.end_block(torch.cat([r.input_ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
+                stopper.end_block(torch.cat([ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
                 stopper.stream(s.out[:, streamed:aligned], streamed)
                 streamed = aligned
                 done = stopper.finished | (s.written >= s.n)
@@ -171,6 +222,6 @@ def decode_verified(model, r) -> GenerateOutput:
     # as wide as the row that kept most: a row's accepted draft may run past its stop (EOS, a stop string) or
     # ahead of the rows the stop strings waited for
     end = min(s.n, int(torch.where(stopper.finished, stopper.stop_at, s.written).max()))
-    sequences = stopper.trim(torch.cat([r.input_ids, s.out[:, :end]], 1), s.prompt_len)
+    sequences = stopper.trim(torch.cat([ids, s.out[:, :end]], 1), s.prompt_len)
     return GenerateOutput(sequences=sequences, nfe=s.reader.forwards, steps=iterations, new_tokens=stopper.count(end),
                           row_steps=int(row_steps))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from r2lm.layout import Layout
+from r2lm.layout import Layout, cached_keys_seen
 from r2lm.plan import ForwardPlan
 
 
@@ -44,7 +44,10 @@ class _Shape:
 
     def __init__(self, model, cache, template: Layout, commit: int):
         config, device = model.config, cache.valid.device
-        own, earlier = template.mask_parts(config.attention)
+        self.kind = config.attention
+        # under a window a cached key drops out of sight as the cache grows: every sync looks at every cached column
+        self.local = config.kind.attention.window is not None
+        own, earlier = template.mask_parts(self.kind)
         width, dtype = template.length, model.dtype
         self.inner = torch.zeros(1, 1, width, width, dtype=dtype, device=device).masked_fill(
             ~(own | earlier)[:, None], float("-inf"))
@@ -56,14 +59,17 @@ class _Shape:
         self.length = None  # the cache length the mask is in step with
 
     def sync(self, cache) -> None:
-        """Columns [0, length) show the cache's valid tokens, the next `width` the in-input predicate."""
+        """Columns [0, length) show the cache's keys the queries see (its valid tokens, r2lm.layout.cached_keys_seen),
+        the next `width` the in-input predicate."""
         old, new = self.length or 0, cache.length
         if self.length == new:
             return
         if new < old:  # a rewound cache (benchmarks): forget the columns after it
             self.mask[..., new:] = float("-inf")
             old = new
-        visible = cache.valid[:, None, None, old:new]
+        old = 0 if self.local else old
+        queries = cache.next_position[:, None] + self.offsets if self.local else None  # (positions: only a window's)
+        visible = cached_keys_seen(self.kind, cache.valid[:, old:new], queries)[:, None]
         self.mask[..., old:new] = torch.where(visible, 0.0, float("-inf")).to(self.mask.dtype)
         self.mask[..., new : new + self.width] = self.inner
         self.length = new

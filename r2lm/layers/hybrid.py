@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import initialization as init
 
 from r2lm.ops.flex import Tiles, block_sparse, tile_softmax
 
@@ -106,8 +107,6 @@ class BlockHybridAttention(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """Identity on the first F dimensions plus small noise on the rest (so no dimension starts ignored)."""
-        from transformers import initialization as init
-
         for param in (self.hedgehog_weights, self.key_hedgehog_weights):
             if param is not None:  # untied maps start equal but for their noise
                 weights = torch.randn(self.num_heads, self.head_dim, self.feature_dim) * min(0.02, self.head_dim**-0.5)

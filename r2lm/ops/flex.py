@@ -8,10 +8,10 @@ It is cached per layout, so every layer of one forward shares it.
 
 `flex_attention(q, k, v, sparse, scale)`: softmax attention over it, skipping the empty tiles.
 - CUDA: torch's compiled flex_attention on the BlockMask, forward and backward.
-- CPU: torch 2.13 compiles flex_attention for CPU inference only (no backward, no logsumexp), and its CPU kernel is
-  slower than SDPA's on the same tiles (dual stream, 4064 columns, 31% of 128-tiles non-empty, 1 thread: flex
-  forward 0.12 s, SDPA over the packed tiles 0.07 s, dense SDPA 0.20 s). So CPU runs `packed_attention`: SDPA's
-  fused kernels over each query tile's non-empty key tiles, forward and backward, no compilation.
+- CPU: torch 2.13 compiles flex_attention for CPU inference only (no backward, no logsumexp), and its CPU kernel was
+  measured slower than SDPA's on the same tiles (docs/results.md, "Block-sparse attention on a CPU"). So CPU runs
+  `packed_attention`: SDPA's fused kernels over each query tile's non-empty key tiles, forward and backward, no
+  compilation.
   `torch_flex_attention` is torch's kernel on any device (on CPU without gradients); the tests check it there.
 
 Checked against SDPA over the dense mask (tests/test_flex.py):

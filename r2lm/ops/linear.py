@@ -5,7 +5,7 @@ A decode forward multiplies a few rows (the tokens of a step, times the batch) b
 CPU that is memory-bound: the weights are read once whatever the number of rows, so a step of 4 tokens should cost
 about what a step of 1 costs -- the premise of every parallel decoder. Whether BLAS gets near that depends on the
 machine: on some, x @ W^T with few rows runs far below memory bandwidth while W @ x^T streams the weight at full
-speed; on others it is the other way round (docs/results.md, "linear_cost", has the figures per machine). So no
+speed; on others it is the other way round (docs/results.md, "Few-row matrix products on a CPU"). So no
 constant decides: each shape class (rows, the weight's shape, torch's thread count) is measured at its first uses
 in this process, inside the forwards that use it (where its weight streams from memory as it will from then on,
 rather than sitting in a cache as it would in a loop over one weight): TRIALS calls time each order, alternating,

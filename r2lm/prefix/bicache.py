@@ -367,7 +367,8 @@ def stitched_forward(model, entry: Entry, rest_ids: torch.Tensor, depth: int, re
         cache = cache if cache is not None else prefix_kv(model, entry, depth, batch, S)
         layout = Layout.span(rest_mask, start=P)
         plan = inner.plan(layout, cache)
-        if config.attention == "bidirectional" and layout.valid is None:
+        rule = config.kind.attention
+        if not rule.streams and rule.window is None and layout.valid is None:
             # every column sees every column, as in the ordinary forward's unmasked SDPA call
             plan = dataclasses.replace(plan, mask=None)
         h = inner(hidden_states=h, plan=plan, cache=cache, layers=range(depth), norm=False).last_hidden_state

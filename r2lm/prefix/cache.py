@@ -105,33 +105,21 @@ class PrefixCache:
         weight once, at about the cost of one batch-1 forward); a model that differs from the one bound is refused."""
         if self.identity is None:
             config = model.config
-            if self._chunked(config) and config.block_size % self.block_tokens:
+            if config.kind.chunked and config.block_size % self.block_tokens:
                 raise ValueError(
                     f"block_tokens {self.block_tokens} must divide the model's block_size {config.block_size}: its "
                     "prompts are committed block by block, and cached keys are only reusable up to a block boundary"
                 )
         self.identity = bind(self.identity, model, "PrefixCache")
 
-    @staticmethod
-    def _chunked(config) -> bool:
-        return config.attention == "block_causal" or bool(config.hybrid_layers)
-
     def span(self, config, start: int) -> int:
         """The end of the tokens the keys of the block at `start` depend on: its own, and under chunks the rest of
         the chunk its last token is in."""
-        end = start + self.block_tokens
-        if not self._chunked(config):
-            return end
-        b, offset = config.block_size, int(config.prediction == "shift")
-        return -(-(end + offset) // b) * b - offset
+        return config.kind.grid_ceil(start + self.block_tokens)
 
     def boundary(self, config, n: int) -> int:
         """The deepest prefix length <= n whose keys do not depend on later tokens."""
-        if not self._chunked(config):
-            return n
-        b, offset = config.block_size, int(config.prediction == "shift")
-        k = (n + offset) // b
-        return k * b - offset if k > 0 else 0
+        return config.kind.grid_floor(n)
 
     # ------------------------------------------------------------------ lookup
 
