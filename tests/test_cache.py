@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import MASK_ID, tiny_r2lm
+
 from r2lm import Layout, dual_stream
 
 MODELS = {
@@ -80,7 +80,7 @@ def test_denoise_writes_nothing():
         model.denoise(_window(3), cache)
     assert cache.length == before[3]
     assert torch.equal(cache.valid, before[1]) and torch.equal(cache.next_position, before[2])
-    for k, k0 in zip(cache.key, before[0]):
+    for k, k0 in zip(cache.key, before[0], strict=True):
         assert torch.equal(k[:, :, : cache.length], k0[:, :, : cache.length])
 
 
@@ -92,9 +92,9 @@ def test_prefill_keys_do_not_depend_on_sidecars():
     ids, mask = _prompt()
     caches = [m.new_cache(3, 32) for m in (with_sidecars, plain)]
     with torch.no_grad():
-        for m, c in zip((with_sidecars, plain), caches):
+        for m, c in zip((with_sidecars, plain), caches, strict=True):
             m.prefill(ids, c, attention_mask=mask)
-    for a, b in zip(caches[0].key, caches[1].key):
+    for a, b in zip(caches[0].key, caches[1].key, strict=True):
         assert torch.equal(a, b)
 
 

@@ -1,8 +1,8 @@
 """eval/cloze.py: held-out multiple-choice items are well formed and deterministic; accuracy is computed."""
 
 import pytest
-
 from conftest import tiny_r2lm, tiny_tokenizer
+
 from eval.cloze import evaluate, make_items
 
 TEXTS = [

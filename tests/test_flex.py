@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import MASK_ID, tiny_r2lm
+
 from r2lm import Layout, dual_stream
 from r2lm.diffusion import compute_loss
 from r2lm.layers.hybrid import HybridParts

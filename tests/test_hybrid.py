@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import MASK_ID, tiny_r2lm
+
 from r2lm import Layout
 from r2lm.ops import attention
 

@@ -14,7 +14,7 @@ GPU_PACKAGES = ("mamba_ssm", "causal_conv1d", "flash_attn")
 
 
 def test_importing_r2lm_imports_no_gpu_package():
-    code = "import sys, r2lm, r2lm.ops, r2lm.generation; print([m for m in sys.modules if m.split('.')[0] in %r])" % (GPU_PACKAGES,)
+    code = f"import sys, r2lm, r2lm.ops, r2lm.generation; print([m for m in sys.modules if m.split('.')[0] in {GPU_PACKAGES!r}])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

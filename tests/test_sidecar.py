@@ -1,8 +1,8 @@
 """The reverse sidecar: direction (invariant 5), zero-gate identity, gradients, freezing."""
 
 import torch
-
 from conftest import MASK_ID, tiny_r2lm
+
 from r2lm import Layout
 
 
