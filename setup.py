@@ -11,6 +11,7 @@ setup(
     # The library only: train/, eval/ and the convert/ shortcut are programs run from a checkout, never installed
     # (top-level packages with such names would collide with other projects').
     packages=find_packages(include=["r2lm", "r2lm.*"]),
+    package_data={"r2lm.ops": ["csrc/*.cpp"]},  # the few-row kernel's source, compiled on the machine (r2lm/ops/few_rows.py)
     install_requires=["torch>=2.3", "transformers>=5.0", "safetensors", "jinja2>=3.1"],  # jinja2: r2lm-generate --chat
     extras_require={
         # train/ from a checkout; in the library, r2lm-convert deepspeed-to-hf needs deepspeed, merge-lora peft

@@ -127,3 +127,28 @@ def write_result(result: dict, out) -> None:
         logger.info("wrote %s", out)
     else:
         print(text)
+
+
+def replace_section(path: Path, section: str, begin: str, end: str) -> None:
+    """Replace what lies between a benchmark's markers `begin` and `end` in `path` with `section` (appended at the
+    end where it has none), atomically: a generated section of docs/results.md."""
+    text = path.read_text() if path.is_file() else ""
+    block = f"{begin}\n{section}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def commit() -> str:
+    """The checkout's short commit hash, which a benchmark records beside its figures ("?" outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"

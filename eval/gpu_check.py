@@ -1,7 +1,7 @@
 """Every check that needs a CUDA GPU, in one run on one GPU (a few minutes; budget 8), printed as one table.
 
     bash scripts/gpu_check.sh              # on the GPU machine: no network needed, nothing is installed
-    bash scripts/gpu_check.sh --dry-run    # the same code on CPU at tiny sizes (tests/test_gpu_check.py runs it)
+    bash scripts/gpu_check.sh --dry-run    # the same code on CPU at tiny sizes (tests/eval/test_gpu_check.py runs it)
 
 Rows (status ok / FAIL / not installed; the exit status is 1 if any row FAILs):
 - kernel ssd, kernel conv1d: what r2lm.ops dispatches to (mamba_ssm's / causal_conv1d's CUDA kernels when

@@ -1,6 +1,7 @@
-"""What a decode step's matrix products cost on a CPU, in both orders r2lm.ops.linear chooses between, and which it
-chose: `torch.nn.functional.linear` (x @ W^T), the transposed order ((W @ x^T)^T), and r2lm's `linear` once it has
-measured each shape class, side by side in one run, for every row count a decode step multiplies by.
+"""What a decode step's matrix products cost on a CPU, in each order r2lm.ops.linear chooses among, and which it
+chose: `torch.nn.functional.linear` (x @ W^T), the transposed order ((W @ x^T)^T), r2lm's few-row kernel (where
+this machine has a build of it: python -m r2lm.ops.few_rows), and r2lm's `linear` once it has measured each shape
+class, side by side in one run, for every row count a decode step multiplies by.
 
     python -m eval.linear_cost [--config CHECKPOINT] [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2]
         [--out docs/results]
@@ -29,7 +30,8 @@ from torch.nn import functional as F
 
 from eval.machine import describe, label, linear_orders
 from r2lm import R2LMConfig, R2LMForDiffusionLM
-from r2lm.ops.linear import FEW_ROWS, decisions, linear, transposed
+from r2lm.ops.few_rows import kernel
+from r2lm.ops.linear import FEW_ROWS, decisions, few_rows, linear, transposed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +62,8 @@ def time_products(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
         for w in weights:
             linear(inputs[w.shape[1]], w)
 
-    kinds = {"F.linear": F.linear, "transposed": transposed, "r2lm": linear}
+    kinds = {"F.linear": F.linear, "transposed": transposed, **({"kernel": few_rows} if kernel() else {}),
+             "r2lm": linear}
     times = {k: [] for k in kinds}
     for _ in range(repeats + 1):  # the first pass warms up
         for name, fn in kinds.items():
@@ -80,7 +83,9 @@ def plot(results: dict, path: Path) -> None:
 
     rows = [int(r) for r in results["rows"]]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for kind, style in (("F.linear", "o-"), ("transposed", "^--"), ("r2lm", "s-")):
+    for kind, style in (("F.linear", "o-"), ("transposed", "^--"), ("kernel", "v--"), ("r2lm", "s-")):
+        if kind not in results["rows"][str(rows[0])]["ms"]:
+            continue
         ax.plot(rows, [results["rows"][str(r)]["ms"][kind] for r in rows], style, label=kind)
     ax.axvline(results["few_rows"], color="#999", linestyle=":", label="FEW_ROWS (measured up to)")
     ax.set_xscale("log", base=2)
@@ -118,12 +123,13 @@ def main(argv=None) -> dict:
     results["orders"] = linear_orders()
     print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads, {label(results['machine'])} "
           f"(r2lm measures both orders up to {FEW_ROWS} rows)")
-    print(f"{'rows':>5}{'F.linear ms':>13}{'transposed ms':>15}{'r2lm ms':>10}{'speedup':>9}  r2lm's orders")
+    kinds = list(next(iter(results["rows"].values()))["ms"])
+    print("".join(f"{'rows':>5}" if i < 0 else f"{k + ' ms':>15}" for i, k in enumerate(["", *kinds], -1)) +
+          f"{'speedup':>9}  r2lm's orders")
     for rows, cell in results["rows"].items():
         orders = results["orders"].get(rows, {"F.linear": ["all"]})
         chosen = "; ".join(f"{order}: {', '.join(shapes)}" for order, shapes in orders.items() if shapes)
-        print(f"{rows:>5}{cell['ms']['F.linear']:>13.1f}{cell['ms']['transposed']:>15.1f}{cell['ms']['r2lm']:>10.1f}"
-              f"{cell['speedup']:>9.2f}  {chosen}")
+        print(f"{rows:>5}" + "".join(f"{cell['ms'][k]:>15.1f}" for k in kinds) + f"{cell['speedup']:>9.2f}  {chosen}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "linear_cost.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "linear_cost.png")

@@ -59,8 +59,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eval import common
 from eval.machine import describe, label, linear_orders
-from eval.parallel_bench import _commit, speed_batches
+from eval.parallel_bench import speed_batches
 from r2lm import R2LMForDiffusionLM, generate, workloads
 from r2lm.workloads import CATEGORIES
 
@@ -515,16 +516,8 @@ def render(results: dict) -> str:
 
 
 def replace_section(path: Path, section: str) -> None:
-    """Replace what lies between this benchmark's markers in `path` (appended at the end where it has none)."""
-    text = path.read_text() if path.is_file() else ""
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Replace this benchmark's section of `path` (eval.common.replace_section, between its markers)."""
+    common.replace_section(path, section, BEGIN, END)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -723,7 +716,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"a prompt of {longest} tokens + --new-tokens {args.new_tokens} exceeds the target's "
                          f"{s.target.config.max_position_embeddings} positions: lower --max-prompt-tokens")
     parts = dict(old["parts"]) if old else {}
-    commit, machine = _commit(), describe()
+    commit, machine = common.commit(), describe()
     with torch.no_grad():
         for part in args.parts:
             logger.info("measuring %s", part)

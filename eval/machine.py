@@ -37,11 +37,11 @@ def label(machine: dict | None) -> str:
 
 def linear_orders() -> dict:
     """r2lm.ops.linear's decisions so far in this process, per row count: the weight shapes multiplied in each
-    order ({"1": {"transposed": ["576x576", ...], "F.linear": [...]}}); r2lm.ops.linear.decisions() has the timings."""
+    order ({"1": {"F.linear": ["576x576", ...], "kernel": [...]}}); r2lm.ops.linear.decisions() has the timings."""
     from r2lm.ops.linear import decisions
 
     by_rows: dict = {}
     for d in decisions():
-        orders = by_rows.setdefault(str(d["rows"]), {"transposed": [], "F.linear": []})
-        orders[d["order"]].append("x".join(map(str, d["weight"])))
+        orders = by_rows.setdefault(str(d["rows"]), {})
+        orders.setdefault(d["order"], []).append("x".join(map(str, d["weight"])))
     return by_rows

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from eval import common
 from eval.common import pack_texts, read_texts
 from eval.likelihood import heldout_nll
 from eval.machine import describe, label, linear_orders
@@ -221,6 +222,42 @@ def measure(path: str, args, texts, reference=None) -> dict:
 # ---------------------------------------------------------------------------------------------- report
 
 
+def backbone_changed(before: str, after: str) -> bool:
+    """Whether any weight but the sidecars' differs between two checkpoints (LoRA merged into the backbone, or a run
+    without freeze_backbone): then verify=True of `after` no longer decodes the original model's text."""
+    from safetensors import safe_open
+
+    def tensors(folder):
+        return {p: safe_open(str(p), "pt") for p in sorted(Path(folder).glob("*.safetensors"))}
+
+    def named(handles):
+        return {k: (h, k) for h in handles.values() for k in h.keys() if ".sidecar." not in k}
+
+    a, b = named(tensors(before)), named(tensors(after))
+    return a.keys() != b.keys() or any(not torch.equal(a[k][0].get_tensor(k), b[k][0].get_tensor(k)) for k in a)
+
+
+def _changed_backbone_notes(results: dict) -> list[str]:
+    """What "verify == AR" means for a model whose training changed the backbone (LoRA): lossless against that model,
+    not against the original one; its speed is not the original model's (read from the reference columns)."""
+    notes = []
+    for name, stages in results["models"].items():
+        if not stages.get("after", {}).get("backbone_changed"):
+            continue  # a frozen backbone: verify=True decodes the original model's greedy text before and after
+        before, after = (stages[stage].get("reference", {}).get("one_per_step") for stage in ("before", "after"))
+        if before is None or after is None:
+            notes.append(f"\n{name}, after: its training changed the backbone, so its verify rows are lossless with "
+                         "respect to the trained model, not the original one.")
+            continue
+        notes.append(
+            f"\n{name}, after: its training changed the backbone, so its AR decoding is no longer the original "
+            f"model's (NLL of its one-token-per-step text under the original {after['reference_nll']:.3f}, against "
+            f"{before['reference_nll']:.3f} before; {after['agreement_with_reference']:.1%} token agreement). Its "
+            "verify rows are lossless with respect to the trained model, not the original: their ratios to AR "
+            "measure a faster decoding of a different (here more repetitive) model, not a faster original model.")
+    return notes
+
+
 def render(results: dict) -> str:
     """The "Parallel decoding" section of docs/results.md, from parallel.json."""
     s = results["settings"]
@@ -281,20 +318,14 @@ def render(results: dict) -> str:
                 lines.append(f"| {name} | {stage} | {batch} | {timed} | {v['vs_ar']['r2lm']:.2f} | {ratios} | "
                              f"{v['vs_transformers']['ar']:.2f} | {'-' if theirs is None else f'{theirs:.2f}'} | "
                              f"{v['r2lm_tokens_per_forward']:.2f} | {per_forward} | {v['verify_is_ar']} |")
+    lines += _changed_backbone_notes(results)
     lines += ["", "![parallel decoding](results/parallel.png)"]
     return "\n".join(lines)
 
 
 def replace_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.is_file() else ""
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Replace this benchmark's section of `path` (eval.common.replace_section, between its markers)."""
+    common.replace_section(path, section, BEGIN, END)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -377,7 +408,7 @@ def main(argv=None) -> dict:
     texts = read_texts(args.text)
     references = dict(item.split("=", 1) for item in args.reference)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results = {"settings": settings, "commit": _commit(), "machine": describe(), "models": {}, "measured": {}}
+    results = {"settings": settings, "commit": common.commit(), "machine": describe(), "models": {}, "measured": {}}
     if args.update:
         results = kept_results(args.out / "parallel.json", results)
     for item in args.model:
@@ -388,6 +419,7 @@ def main(argv=None) -> dict:
         for stage, path in (("before", before), ("after", after)):
             logger.info("%s, %s parallelism training: %s", name, stage, path)
             results["models"][name][stage] = measure(path, args, texts, reference)
+        results["models"][name]["after"]["backbone_changed"] = backbone_changed(before, after)
         results["measured"][name] = {"commit": results["commit"], "verify": args.verify, "machine": results["machine"],
                                      "linear_orders": linear_orders()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -417,16 +449,6 @@ def kept_results(path: Path, results: dict) -> dict:
     measured = old.get("measured") or {name: {"commit": old.get("commit", "?"), "verify": old["settings"]["verify"]}
                                        for name in old["models"]}
     return {**results, "models": old["models"], "measured": measured}
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from r2lm.layers import RMSNorm, RotaryEmbedding
 from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
 from r2lm.modeling_r2lm import R2LMDecoderLayer, refuse_partial_load
+from r2lm.ops.linear import linear
 from r2lm.plan import ForwardPlan, plan_of
 
 IN_BLOCK = ("bidirectional", "causal")
@@ -297,7 +298,7 @@ class Drafter(PreTrainedModel):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., draft vocab]."""
-        return F.linear(h, self._bound()[1])
+        return linear(h, self._bound()[1])  # (r2lm.ops.linear: F.linear under autograd, the fastest order when drafting)
 
     @torch.no_grad()
     def draft(self, context: DraftContext, openers: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ comparing the fields' strings.
 ATTENTION is the table of attention kinds. A row holds the rules r2lm.layout's predicate evaluates (who sees whom);
 what follows from them -- which context holds committed text, whether a prompt goes in on the block grid, whether a
 clean pass is an AR pass -- is derived here. A new attention kind is a row, plus a new rule in the predicate if it
-needs one (tests/test_kind.py adds a sliding-window causal kind so). PREDICTIONS is the table of prediction
+needs one (tests/model/test_kind.py adds a sliding-window causal kind so). PREDICTIONS is the table of prediction
 conventions: how many columns before its block a window opens.
 """
 

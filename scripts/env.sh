@@ -31,4 +31,8 @@ if [ "${DS_ACCELERATOR:-}" = cpu ]; then
   pip show -q causal-conv1d 2>/dev/null || CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
     pip install -q --no-build-isolation --no-deps "causal-conv1d==1.7.0"
 fi
+# r2lm's few-row CPU kernel (r2lm/ops/few_rows.py), compiled once for this machine (about 40 s): decoding measures it
+# against torch's own products and uses it where it is faster; without a build it uses torch's alone
+python -c "from r2lm.ops.few_rows import build, kernel; kernel() or build()" >/dev/null 2>&1 \
+  || echo "note: r2lm's few-row kernel did not build (a C++ compiler and ninja are needed); decoding uses torch's products" >&2
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_SILENT=true

@@ -212,7 +212,10 @@ def main() -> None:
            f"and timed until every row has its first {setup.get('measure_tokens', '?')} tokens committed, prefill "
            "included (eval/throughput.py). `bidir` re-encodes the whole "
            "canvas every step (LLaDA); `bidir+dc` is Fast-dLLM's approximate dual cache; `r2lm` and `causal` use the "
-           "exact KV cache; `ar` decodes one token per forward with the KV cache.", ""]
+           "exact KV cache; `ar` decodes one token per forward with the KV cache. These are the variants as this "
+           "reproduction trains them, before any parallelism training: at threshold 0.9 none unmasks more than about "
+           "one token per step, so these ratios are the cost of a window forward against a one-token forward, not "
+           "what parallel decoding buys (that is the Parallel decoding section, after certainty forcing).", ""]
     lines, ratios = speed_summary(throughput)
     md += lines
     if throughput:

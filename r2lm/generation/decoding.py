@@ -55,7 +55,7 @@ def decode(model, r: Request) -> GenerateOutput:
     (batch, prompt_len), n, b = ids.shape, r.max_new_tokens, r.unmasking.block_size
     u, s = r.unmasking, r.sampling
     canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), suffix], 1)
-    stopper = Stopper(r.stopping, batch, ids.device)
+    stopper = Stopper(r.stopping, ids, r.prompt.attention_mask)
     stopper.stream(ids)
     steps_per_block = u.steps // r.num_blocks if u.steps else None
     step = end = 0

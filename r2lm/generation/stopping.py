@@ -53,7 +53,8 @@ class Stopper:
     """Per-row stopping under the `Stopping` options `r`. `stop_at[row]` is the number of generated tokens the row
     keeps (-1 while running)."""
 
-    def __init__(self, r: Stopping, batch: int, device, every_token: bool = False):
+    def __init__(self, r: Stopping, prompt: torch.Tensor, prompt_mask: torch.Tensor, every_token: bool = False):
+        batch, device = prompt.shape[0], prompt.device
         self.eos = torch.tensor(r.eos_ids, dtype=torch.long, device=device)
         self.pad_id, self.mask_id = r.pad_id, r.mask_id
         self.stop_strings, self.tokenizer, self.streamer = r.stop_strings, r.tokenizer, r.streamer
@@ -63,6 +64,12 @@ class Stopper:
         # stopping criteria are called on the text after every token with `every_token` (verified decoding, whose
         # output is AR's: AR decoding calls them so), else once per block; tokens [0, judged) have been judged
         self.every_token, self.judged = every_token, 0
+        # A stop string may begin in the prompt and end in the generated text (transformers' StopStringCriteria
+        # reads the whole sequence): each row keeps the prompt's last tokens, as many as the longest stop string
+        # has characters (a token spells at least one)
+        width = max(map(len, self.stop_strings), default=0)
+        self.prompt_tails = [row[keep.bool()].tolist()[-width:] for row, keep in zip(prompt, prompt_mask, strict=True)
+                             ] if width else []
 
     @property
     def finished(self) -> torch.Tensor:
@@ -99,10 +106,8 @@ class Stopper:
             for row in torch.nonzero(unsearched).flatten().tolist():
                 stop = int(self.stop_at[row])
                 tokens = new[row, : end if stop < 0 else min(stop, end)].tolist()
-                if any(s in self.tokenizer.decode(tokens) for s in self.stop_strings):
-                    k = next(k for k in range(1, len(tokens) + 1)
-                             if any(s in self.tokenizer.decode(tokens[:k]) for s in self.stop_strings))
-                    self.stop_at[row] = k
+                if self._stops_within(row, tokens):
+                    self.stop_at[row] = next(k for k in range(1, len(tokens) + 1) if self._stops_within(row, tokens[:k]))
             self.checked = end
         for length in range(self.judged + 1, end + 1) if self.every_token else [end]:
             for criterion in self.criteria:
@@ -113,6 +118,13 @@ class Stopper:
                 self.stop_at = torch.where(done & running, length, self.stop_at)
         self.judged = end
         return True
+
+    def _stops_within(self, row: int, tokens: list[int]) -> bool:
+        """Whether a stop string ends within the text of generated `tokens` (it may begin in the prompt)."""
+        tail = self.prompt_tails[row]
+        head = len(self.tokenizer.decode(tail)) if tail else 0
+        text = self.tokenizer.decode(tail + tokens)
+        return any(text.find(s, max(0, head - len(s) + 1)) >= 0 for s in self.stop_strings)
 
     def trim(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Sequences with every generated token after each row's stop replaced by padding."""

@@ -161,7 +161,7 @@ def decode_verified(model, r) -> GenerateOutput:
     s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if window else b)
     drafts = drafts_of(s, v)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
-    stopper = Stopper(r.stopping, s.batch, s.device, every_token=True)
+    stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
     stopper.stream(ids)
     reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
     cols = torch.arange(b, device=s.device)

@@ -14,7 +14,7 @@ It is cached per layout, so every layer of one forward shares it.
   compilation.
   `torch_flex_attention` is torch's kernel on any device (on CPU without gradients); the tests check it there.
 
-Checked against SDPA over the dense mask (tests/test_flex.py):
+Checked against SDPA over the dense mask (tests/ops/test_flex.py):
 - GQA: flex's `enable_gqa` lets query head h read key head h // (H / Hkv), as SDPA's `enable_gqa` does;
 - empty rows: flex gives zeros (not NaN). The Layout leaves no row empty anyway (a padding query sees itself).
 

@@ -19,7 +19,7 @@ the ones the request that stored them computed. Decoding with a PrefixCache (eve
 float rounding, not bit-exact, against decoding without one: it computes the same function with differently shaped
 matrix products (each row prefilled alone rather than in a padded batch, a prompt's uncached rest as its own
 piece, hybrid rows in pieces ending at their checkpoints), and kernels round by shape. Logits agree to rounding
-error; a token whose top-2 logits are closer than that can flip (tests/test_prefix_cache.py tests both claims).
+error; a token whose top-2 logits are closer than that can flip (tests/prefix/test_prefix_cache.py tests both claims).
 
 Blocks in use by a running request are pinned by reference counts; only unpinned leaves (no cached children)
 can be evicted, in the order of an LRU or ARC policy (r2lm.prefix.eviction).

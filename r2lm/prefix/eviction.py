@@ -113,7 +113,7 @@ class ARCPolicy(EvictionPolicy):
     paper: |t1| + |b1| <= c and |t1| + |t2| + |b1| + |b2| <= 2c (given the store keeps |t1| + |t2| <= c).
 
     Driven as "victim(evictable, incoming=x) while full, then admit(x)" with everything evictable, this is
-    exactly ARC(c) of the paper's Fig. 4 (tests/test_prefix_eviction.py checks it against a transcription).
+    exactly ARC(c) of the paper's Fig. 4 (tests/prefix/test_prefix_eviction.py checks it against a transcription).
     """
 
     def __init__(self, capacity: int):

@@ -24,12 +24,12 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
-from conftest import MASK_ID, tiny_r2lm
 
 from r2lm import Layout
 from r2lm.layers import Mamba2Mixer
 from r2lm.ops import causal_conv1d, causal_conv1d_ref, kernels, ssd_scan
 from r2lm.ops.kernels import force_fast_path
+from tests.helpers.models import MASK_ID, tiny_r2lm
 
 SCAN = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 CONV = ("causal_conv1d", "causal_conv1d_fn")

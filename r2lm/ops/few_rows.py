@@ -1,0 +1,91 @@
+"""A CPU kernel for the few-row products of decoding (csrc/few_rows.cpp), built for the machine at hand.
+
+A verification or window forward multiplies a few rows (4-16) by every weight. That is memory-bound, so it should
+cost about what one row costs; BLAS's small-M paths often cost two or three times that. The kernel reads each tile
+of weight rows from memory once and multiplies every input row by it from cache.
+
+It is compiled once per machine (its CPU model and flags: `-march=native` code must never run on another CPU),
+torch version and source, into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) by `build()` (`python -m
+r2lm.ops.few_rows`, which scripts/env.sh runs; about 40 s, with a C++ compiler and ninja). `kernel()` loads that
+build if there is one and never compiles: a decode step must not wait for a compiler. Without a build,
+r2lm.ops.linear chooses among torch's own products.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512")
+
+
+def _cpu() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu().encode()):
+        digest.update(part)
+    return f"r2lm_few_rows_{digest.hexdigest()}"
+
+
+def build_directory() -> Path:
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(base) / build_name()
+
+
+def build(verbose: bool = False):
+    """Compile the kernel for this machine (if not compiled already) and return it."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    module = load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(folder), verbose=verbose)
+    kernel.cache_clear()
+    return module
+
+
+@functools.cache
+def kernel():
+    """The built kernel's module (its `few_rows(x, w)`), or None when this machine has no build of it."""
+    path = build_directory() / f"{build_name()}.so"
+    if not path.is_file():
+        logger.debug("no build of the few-row kernel for this machine (%s): python -m r2lm.ops.few_rows", path)
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(build_name(), str(path))
+    spec = importlib.util.spec_from_file_location(build_name(), path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m r2lm.ops.few_rows", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args()
+    build(args.verbose)
+    print(f"built {build_directory()}")
+
+
+if __name__ == "__main__":
+    main()

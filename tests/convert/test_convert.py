@@ -1,0 +1,245 @@
+"""`python -m convert from-hf`: the mask token, atomic output, and bad input (GGUF files, tokenizers, generation
+configs)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from r2lm import R2LMForDiffusionLM
+from r2lm.checkpoints import load_tokenizer
+from r2lm.convert.__main__ import main
+from r2lm.convert.from_hf import convert_from_hf
+from tests.helpers.models import tiny_hf_config, tiny_r2lm, tiny_tokenizer
+
+
+@pytest.fixture
+def qwen3_dir(tmp_path):
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tok)))
+    src = tmp_path / "qwen3"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    return src
+
+
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_adds_mask_token_to_tokenizer_embeddings_and_config(qwen3_dir, tmp_path):
+    before = _snapshot(qwen3_dir)
+    vocab = len(AutoTokenizer.from_pretrained(qwen3_dir))
+    assert main(["from-hf", str(qwen3_dir), str(tmp_path / "out"), "--sidecar-layers", "1", "--headdim", "16", "--d-state", "8"]) == 0
+    assert _snapshot(qwen3_dir) == before  # the source is never modified
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    model = R2LMForDiffusionLM.from_pretrained(tmp_path / "out")
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    assert mask_id == vocab and tok.mask_token == "<|mask|>"
+    assert model.config.mask_token_id == mask_id and model.config.vocab_size == vocab + 1
+    emb = model.get_input_embeddings().weight
+    torch.testing.assert_close(emb[mask_id], emb[:mask_id].mean(0))
+    assert tok("a <|mask|> fox").input_ids.count(mask_id) == 1
+
+
+def test_existing_mask_token_is_reused(qwen3_dir, tmp_path):
+    existing = AutoTokenizer.from_pretrained(qwen3_dir).convert_ids_to_tokens(40)
+    convert_from_hf(qwen3_dir, tmp_path / "out", mask_token=existing)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    model = R2LMForDiffusionLM.from_pretrained(tmp_path / "out")
+    assert model.config.mask_token_id == 40 == tok.mask_token_id and model.config.vocab_size == len(tok)
+
+
+@pytest.mark.parametrize("option,role", [
+    (["--mask-token-id", "0"], "EOS"), (["--mask-token-id", "1"], "pad"),
+    (["--mask-token", "<|endoftext|>"], "EOS"), (["--mask-token", "<|pad|>"], "pad"),
+])
+def test_a_mask_token_that_is_eos_or_padding_is_refused(qwen3_dir, tmp_path, capsys, option, role):
+    """Issue 32: before, the conversion wrote a model that could never generate (every [MASK] reads as an EOS; the
+    padding of finished rows as positions still to decode)."""
+    assert main(["from-hf", str(qwen3_dir), str(tmp_path / "out"), *option]) == 2
+    given = f"--mask-token-id {option[1]}" if option[0] == "--mask-token-id" else f"--mask-token {option[1]!r} (id "
+    field = "eos_token_id is 0" if role == "EOS" else "pad_token_id is 1"
+    err = capsys.readouterr().err
+    assert given in err
+    assert f"is the {role} token id of {qwen3_dir} (its tokenizer's {field}): the converted model could never" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]
+
+
+def test_round_trip_is_bit_exact(qwen3_dir, tmp_path):
+    convert_from_hf(qwen3_dir, tmp_path / "a", sidecar_layers=[0, 2], sidecar_headdim=16, sidecar_d_state=8)
+    a = R2LMForDiffusionLM.from_pretrained(tmp_path / "a")
+    with torch.no_grad():  # sidecar weights that differ from any initialisation
+        for layer in (0, 2):
+            a.model.layers[layer].sidecar.gate.fill_(0.7)
+            a.model.layers[layer].sidecar.mixer.A_log.add_(0.5)
+    a.save_pretrained(tmp_path / "b")
+    b = R2LMForDiffusionLM.from_pretrained(tmp_path / "b")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert b.config.to_diff_dict() | {"_name_or_path": ""} == a.config.to_diff_dict() | {"_name_or_path": ""}
+    ids = torch.randint(0, 90, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(a.eval()(ids).logits, b.eval()(ids).logits)
+
+
+def test_existing_dst_needs_overwrite(qwen3_dir, tmp_path):
+    dst = tmp_path / "out"
+    convert_from_hf(qwen3_dir, dst)
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        convert_from_hf(qwen3_dir, dst, sidecar_layers=[1], sidecar_headdim=16)
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.sidecar_layers == []
+    convert_from_hf(qwen3_dir, dst, sidecar_layers=[1], sidecar_headdim=16, overwrite=True)  # an earlier output
+    assert R2LMForDiffusionLM.from_pretrained(dst).config.sidecar_layers == [1]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+
+
+def test_unsupported_architecture(tmp_path):
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported source architecture 'gpt2'"):
+        convert_from_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mismatched_checkpoint_leaves_no_dst(qwen3_dir, tmp_path):
+    state = load_file(qwen3_dir / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(state, qwen3_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight has shape \(3, 3\)"):
+        convert_from_hf(qwen3_dir, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == [qwen3_dir]
+
+
+def test_corrupt_checkpoint(qwen3_dir, tmp_path):
+    (qwen3_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read"):
+        convert_from_hf(qwen3_dir, tmp_path / "out")
+
+
+def test_bad_sidecar_layer_is_reported_by_the_cli(qwen3_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "convert", "from-hf", str(qwen3_dir), str(tmp_path / "out"), "--sidecar-layers", "1,9"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert "sidecar_layers [9] out of range for a model with 3 layers" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_the_options():
+    result = subprocess.run([sys.executable, "-m", "convert", "from-hf", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for option in ("--sidecar-layers", "--mask-token", "--d-state", "--overwrite"):
+        assert option in result.stdout
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_to_hf_round_trip(arch, tmp_path):
+    """from-hf then to-hf gives back a transformers model with the same logits (an R2LM without extra layers is
+    its backbone); the mask row added by from-hf stays in the vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "r2lm")
+    assert main(["to-hf", str(tmp_path / "r2lm"), str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.model_type == arch
+    ids = torch.randint(0, 96, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits[..., :96], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_to_hf_refuses_extra_layers(tmp_path):
+
+    tiny_r2lm(sidecar_layers=[1]).save_pretrained(tmp_path / "r2lm")
+    with pytest.raises(ValueError, match="no transformers counterpart"):
+        from r2lm.convert.to_hf import convert_to_hf
+
+        convert_to_hf(tmp_path / "r2lm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- issue 32: GGUF files, tokenizers, generation configs
+
+
+def small_gguf(path):
+    """A small, valid GGUF file (llama.cpp's format): metadata and two float32 tensors."""
+    gguf = pytest.importorskip("gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((96, 64), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header only", "not gguf", "empty"])
+def test_a_damaged_gguf_file_is_named(tmp_path, capsys, damage):
+    """Before: numpy's "cannot reshape array of size ...", a struct error or "cannot mmap an empty file"."""
+    path = small_gguf(tmp_path / "src" / "model.gguf")
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) * 3 // 5], "header only": data[:100], "empty": b"",
+                      "not gguf": bytes(range(256)) * 40}[damage])
+    assert main(["from-hf", str(tmp_path / "src"), str(tmp_path / "out"), "--gguf-file", "model.gguf"]) == 2
+    assert f"error: {path} is not a readable GGUF file (truncated or corrupt): " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_gguf_file_outside_src_is_refused(tmp_path, capsys):
+    outside = small_gguf(tmp_path / "elsewhere" / "model.gguf")
+    (tmp_path / "src").mkdir()
+    assert main(["from-hf", str(tmp_path / "src"), str(tmp_path / "out"), "--gguf-file", str(outside)]) == 2
+    assert (f"--gguf-file {outside} lies outside SRC {tmp_path / 'src'}; give the folder that holds it as SRC and its "
+            f"name as --gguf-file (here: SRC {outside.parent}, --gguf-file model.gguf)") in capsys.readouterr().err
+    assert main(["from-hf", str(tmp_path / "none"), str(tmp_path / "out"), "--gguf-file", "model.gguf"]) == 2
+    assert f"SRC {tmp_path / 'none'} is not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "src"]
+
+
+@pytest.mark.parametrize("left", [["tokenizer_config.json"], ["special_tokens_map.json", "tokenizer_config.json"]])
+def test_tokenizer_files_without_a_vocabulary_are_named(qwen3_dir, tmp_path, capsys, left):
+    """Before: transformers' "You need to have sentencepiece or tiktoken installed to convert a slow tokenizer"."""
+    (qwen3_dir / "tokenizer.json").unlink()  # the vocabulary; tokenizer_config.json stays
+    if "special_tokens_map.json" in left:
+        (qwen3_dir / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}')
+    assert sorted(p.name for p in qwen3_dir.iterdir() if p.name.startswith(("tokenizer", "special"))) == left
+    message = (f"{qwen3_dir} has no tokenizer vocabulary (tokenizer.json / tokenizer.model / vocab.json / vocab.txt): "
+               f"it has only {', '.join(left)}, which describe one")
+    assert main(["from-hf", str(qwen3_dir), str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_tokenizer(qwen3_dir)  # what r2lm-generate loads a checkpoint's tokenizer with
+
+
+@pytest.mark.parametrize("text", ['{"block_size": 8, "thresh', "[0.9]", ""])
+def test_a_corrupt_generation_config_is_refused(qwen3_dir, tmp_path, capsys, text):
+    """Before: transformers logged it at info level and decoding used its built-in defaults."""
+    assert main(["from-hf", str(qwen3_dir), str(tmp_path / "r2lm")]) == 0
+    for folder in (qwen3_dir, tmp_path / "r2lm"):
+        (folder / "generation_config.json").write_text(text)
+    what = "must hold a JSON object of generation options" if text.startswith("[") else "is not valid JSON ("
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'r2lm' / 'generation_config.json'} {what}")):
+        R2LMForDiffusionLM.from_pretrained(tmp_path / "r2lm")
+    for command in (["from-hf", str(qwen3_dir)], ["to-hybrid", str(tmp_path / "r2lm"), "--layers", "0"]):
+        assert main([*command, str(tmp_path / "out")]) == 2
+        assert f"generation_config.json {what}" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

@@ -1,0 +1,176 @@
+"""eval/lossless_bench.py end to end on a tiny transformers Qwen3 converted to an R2LM target, an untrained drafter
+and a real drafter training run: the JSON, the PNG and the results section come from one run, every verified output
+is compared with AR's (and a differing one is caught), HumanEval runs through its real harness, and bad input is
+refused before anything is written."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from eval import lossless_bench
+from r2lm import R2LMForDiffusionLM
+from r2lm.checkpoints import read_state, tag_of
+from r2lm.convert.from_hf import convert_from_hf
+from r2lm.drafter import Drafter, DrafterConfig
+from r2lm.workloads import humaneval_problems, is_heldout
+from tests.helpers.models import sharp_hf, tiny_tokenizer
+from tests.helpers.training import drafter_overrides, run_inprocess, teacher_records
+
+# the tiny tokenizer has no chat template: chat prompts go through this one (ChatML with its own specials)
+CHAT = ("{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}")
+DOCS = ("# Results\n\nkept\n\n<!-- parallel decoding: begin (eval/parallel_bench.py) -->\nother\n"
+        "<!-- parallel decoding: end -->\n")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """(root, transformers source, R2LM target, untrained drafter, drafter training run)."""
+    root = tmp_path_factory.mktemp("lossless")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT
+    # one id above the tokenizer's: convert from-hf adds [MASK] there, the vocabulary's last id
+    hf = sharp_hf("qwen3", vocab_size=len(tokenizer) + 1, max_position_embeddings=2048,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    target = convert_from_hf(root / "hf", root / "target", sidecar_layers=[], block_size=4)
+    target_config = R2LMForDiffusionLM.from_pretrained(target).config
+    assert target_config.mask_token_id == target_config.vocab_size - 1
+    torch.manual_seed(1)
+    Drafter(DrafterConfig.for_target(target_config, block_size=4)).save_pretrained(root / "drafter")
+    # a drafter trained for a few steps on the target's own text: two checkpoints for the curve
+    ids = [f"sharegpt/t{i}" for i in range(100) if not is_heldout(f"t{i}")][:12]
+    train = teacher_records(target, root / "train.jsonl", 12, seed=0, ids=ids)
+    heldout = teacher_records(target, root / "heldout.jsonl", 4, seed=1)
+    run = root / "run"
+    run_inprocess(drafter_overrides((root, target, train, heldout), run))
+    return root, root / "hf", target, root / "drafter", run
+
+
+def common(root, *extra):
+    return ["--speed-prompts", "2", "--max-prompt-tokens", "600", "--new-tokens", "8", "--block-size", "3",
+            "--humaneval-problems", "2", "--humaneval-new-tokens", "10", "--humaneval-batch-size", "2",
+            "--curve-prompts", "1", "--threads", "1", "--out", str(root / "out"), "--results-md",
+            str(root / "results.md"), *extra]
+
+
+def test_the_bench_writes_json_png_and_only_its_section(inputs):
+    root, hf, target, drafter, run = inputs
+    results_md = root / "results.md"
+    results_md.write_text(DOCS + "\n" + lossless_bench.BEGIN + "\nplaceholder\n" + lossless_bench.END + "\n\nafter\n")
+    lossless_bench.main(["--target", str(target), "--reference", str(hf), "--drafter", f"untrained={drafter}",
+                         "--curve", str(run), "--batch-sizes", "1", "2", *common(root)])
+    data = json.loads((root / "out" / "lossless.json").read_text())
+    assert set(data["parts"]) == {"speed", "humaneval", "curve"} and data["verify_is_ar"] is True
+    speed = data["parts"]["speed"]
+    assert set(speed["batches"]) == {"1", "2"}
+    verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained"}
+    for batch, entries in speed["batches"].items():
+        assert set(entries) == {"code", "chat", "prose", "all"}
+        for e in entries.values():
+            # every output compared with AR's, and AR's with transformers' greedy output of the source checkpoint
+            assert e["verify_is_ar"] is True and e["ar_is_transformers"] is True
+            assert set(e["tau"]) == verified and all(v >= 1 for v in e["tau"].values())
+            assert len(set(e["tokens"].values())) == 1  # the same text from every decoder: the same token count
+            assert ("transformers_lookup" in e["vs_ar"]) == (batch == "1") == ("vs_transformers_lookup" in e)
+    ones = speed["batches"]["1"]
+    assert ones["all"]["tokens"]["ar"] == sum(ones[c]["tokens"]["ar"] for c in ("code", "chat", "prose"))
+    assert speed["prompt_ids"]["chat"][0].startswith("sharegpt/") and speed["prompt_ids"]["code"] == \
+        ["HumanEval/0", "HumanEval/1"]
+    humaneval = data["parts"]["humaneval"]
+    assert list(humaneval["decoders"]) == ["ar", "verify:lookup+untrained", "threshold@0.9"]
+    assert humaneval["problems"] == 2 and humaneval["verify_is_ar"] is True
+    assert humaneval["decoders"]["verify:lookup+untrained"]["same_as_ar"] == 2
+    curve = data["parts"]["curve"]["runs"][0]
+    assert [p["step"] for p in curve["points"]] == [3, 6]  # every checkpoint, reassembled from its shards
+    # the training tokens each checkpoint's trainer state records
+    recorded = [read_state(run / "checkpoints" / tag_of(k))["tokens"] for k in (3, 6)]
+    assert [p["tokens"] for p in curve["points"]] == recorded
+    assert 0 < curve["points"][0]["tokens"] < curve["points"][1]["tokens"]
+    assert [e["step"] for e in curve["eval_tau"]] == [0, 3, 6] and curve["eval_tau"][0]["tokens"] == 0
+    assert all(set(p["tau"]) == {"code", "chat", "prose"} for p in curve["points"])
+    for part in data["parts"].values():
+        assert part["measured"]["machine"] == data["machine"] and "linear_orders" in part["measured"]
+    assert (root / "out" / "lossless.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (root / "out").iterdir()) == ["lossless.json", "lossless.png"]
+    text = results_md.read_text()
+    assert text.startswith(DOCS + "\n" + lossless_bench.BEGIN + "\n## Lossless decoding\n")
+    assert text.endswith(lossless_bench.END + "\n\nafter\n") and "placeholder" not in text
+    assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
+
+    # --update measures the parts given again and keeps the others as they were
+    lossless_bench.main(["--target", str(target), "--curve", str(run), "--parts", "curve", "--update",
+                         "--curve-points", "1", *common(root)])
+    again = json.loads((root / "out" / "lossless.json").read_text())
+    assert again["parts"]["speed"] == speed and again["parts"]["humaneval"] == humaneval
+    assert [p["step"] for p in again["parts"]["curve"]["runs"][0]["points"]] == [6]  # the last one always
+
+
+def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
+    """The check is a real comparison: a lossy decoder in the verified rows (threshold decoding, accepting nearly
+    every guess) makes verify_is_ar False, and its differing rows are counted."""
+    root, _, target, _, _ = inputs
+    args = lossless_bench.build_parser().parse_args(["--target", str(target), *common(root)])
+    s = lossless_bench.load_setup(args)
+    prompts = [ids for _, ids in lossless_bench.category_prompts("prose", 2, s.tokenizer, 600)]
+    decoders = {"ar": (lossless_bench.r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
+                "verify:lossy": (lossless_bench.r2lm_decoder(s.target, s.eos, s.pad, threshold=0.01), False)}
+    e = lossless_bench.speed("prose", prompts, decoders, args, 1, s.pad)
+    assert e["verify_is_ar"] is False and e["differing_rows"]["verify:lossy"] == 2
+
+
+def test_humaneval_scoring_runs_the_harness():
+    """pass@1 comes from running each completion against its tests: the canonical solution passes, a wrong body
+    fails, and a completion is cut at the first stop sequence."""
+    problems = list(humaneval_problems().values())[:2]
+    right = [p["canonical_solution"] for p in problems]
+    wrong = ["    return None\n"] * 2
+    passed = lossless_bench.score(problems, {"right": right, "wrong": wrong}, timeout=5.0)
+    assert passed == {"right": [True, True], "wrong": [False, False]}
+
+    class Text:
+        def decode(self, row, skip_special_tokens):
+            return row[0]
+
+    assert lossless_bench.completion_of(Text(), ["    return 1\nprint(f(2))\ndef g():"]) == "    return 1"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--drafter", "d=NOWHERE"], "does not exist"),
+    (["--categories", "poetry"], "invalid choice: 'poetry'"),
+    (["--speed-prompts", "0"], "must be a positive integer, got 0"),
+    (["--humaneval-problems", "0"], "must be a positive integer, got 0"),
+    (["--drafter", "lookup=DRAFTER"], "not 'lookup'"),
+    (["--parts", "curve"], "give at least one --curve RUN_DIR"),
+])
+def test_bad_input_is_refused_before_anything_is_written(inputs, tmp_path, capsys, extra, message):
+    root, _, target, drafter, _ = inputs
+    extra = [x.replace("NOWHERE", str(tmp_path / "missing")).replace("DRAFTER", str(drafter)) for x in extra]
+    with pytest.raises(SystemExit):
+        lossless_bench.main(["--target", str(target), *extra, "--out", str(tmp_path / "out"), "--results-md",
+                             str(tmp_path / "results.md")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results.md").exists()
+
+
+def test_a_drafter_of_another_target_is_refused_before_measuring(inputs, tmp_path):
+    """A --drafter folder or a --curve run made for another target is refused when the models load, naming what
+    differs, not after the other parts were measured."""
+    root, _, target, _, run = inputs
+    config = R2LMForDiffusionLM.from_pretrained(target).config
+    other = DrafterConfig.for_target(config, block_size=4, target_num_hidden_layers=config.num_hidden_layers + 1)
+    Drafter(other).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="made for another target: layer count"):
+        lossless_bench.main(["--target", str(target), "--drafter", f"other={tmp_path / 'other'}", "--out",
+                             str(tmp_path / "out"), "--results-md", str(tmp_path / "results.md")])
+    bigger = tmp_path / "bigger"  # the run's target with a wider vocabulary: its drafter no longer fits
+    R2LMForDiffusionLM.from_pretrained(target, vocab_size=config.vocab_size + 2, ignore_mismatched_sizes=True) \
+        .save_pretrained(bigger)
+    AutoTokenizer.from_pretrained(target).save_pretrained(bigger)
+    with pytest.raises(ValueError, match="made for another target: vocabulary"):
+        lossless_bench.main(["--target", str(bigger), "--curve", str(run), "--categories", "prose", "--out",
+                             str(tmp_path / "out"), "--results-md", str(tmp_path / "results.md")])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results.md").exists()

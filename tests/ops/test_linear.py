@@ -1,0 +1,199 @@
+"""r2lm.ops.linear: the transposed order and the few-row kernel compute F.linear's product (up to float rounding);
+they are considered only without autograd, float32 on CPU, at most FEW_ROWS rows, and taken only for a shape class
+that measured faster in this process (every call returns the reference's product until its class is decided)."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from r2lm import generate
+from r2lm.layers.linear import Linear
+from r2lm.ops import linear as ops_linear
+from r2lm.ops.few_rows import kernel
+from r2lm.ops.linear import FEW_ROWS, MARGIN, REFERENCE, TRIALS, decisions, forced, forget, linear
+from tests.helpers.decoding import ar_greedy
+from tests.helpers.models import peaky
+
+
+class MatrixProducts(TorchDispatchMode):
+    """The shapes of the first operand of every aten.mm / addmm / linear dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.firsts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in ("aten.mm", "aten.addmm", "aten.linear"):
+            self.firsts.append(tuple((args[1] if name == "aten.addmm" else args[0]).shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_measurements():
+    forget()  # each test measures from scratch
+    yield
+    forget()
+
+
+KERNEL = pytest.param("kernel", marks=pytest.mark.skipif(kernel() is None, reason="the few-row kernel is not built "
+                                                          "on this machine (python -m r2lm.ops.few_rows)"))
+
+
+@pytest.mark.parametrize("order", ["transposed", KERNEL, "reference", "measured"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 5), (2, 8), (1, FEW_ROWS), (FEW_ROWS + 1,), (2, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_f_linear(shape, bias, order):
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(200, 24, generator=g), torch.randn(*shape, 24, generator=g)
+    b = torch.randn(weight.shape[0], generator=g) if bias else None
+    with torch.no_grad():
+        if order == "measured":  # every call: the trials, then the decided order
+            outs = [linear(x, weight, b) for _ in range(2 * TRIALS + 2)]
+        else:
+            with forced(order):
+                outs = [linear(x, weight, b)]
+    for out in outs:
+        assert out.shape == (*shape, weight.shape[0])
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def multiplied_by_the_weight(x, weight, grad: bool) -> bool:
+    """Whether the product was computed as weight @ x^T (the transposed order) rather than x @ weight^T."""
+    counter = MatrixProducts()
+    with torch.set_grad_enabled(grad), counter:
+        linear(x, weight)
+    return bool(counter.firsts) and counter.firsts[0] == tuple(weight.shape)  # (the kernel dispatches no aten mm)
+
+
+def test_the_transposed_order_is_considered_only_for_few_rows_without_autograd_in_float32():
+    weight = torch.randn(200, 24)
+    with forced("transposed"):
+        assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
+        assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
+        assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
+
+
+@pytest.mark.parametrize("costs", [dict(transposed=50.0, kernel=80.0), dict(transposed=120.0, kernel=40.0),
+                                   dict(transposed=97.0, kernel=99.0), dict(transposed=300.0, kernel=300.0)],
+                         ids=["transposed fastest", "kernel fastest", "within the margin", "reference fastest"])
+def test_each_class_is_decided_by_its_trials_and_returns_the_reference_until_then(monkeypatch, costs):
+    """A shape class (rows, weight shape, threads) times each order TRIALS times, in turn (the kernel only where it
+    is built), returning F.linear's product meanwhile (a forward's values never depend on a timing in progress);
+    then the fastest median decides, another order than the reference only by MARGIN. The timer is scripted (the
+    reference costs 100 us), so the decision is known whatever this machine's speed."""
+    costs = {REFERENCE: 100.0, **costs}
+    weight, x = torch.randn(200, 24), torch.randn(1, 3, 24)
+    ticks, running = iter(range(10**6)), []
+
+    def clock():  # start / stop pairs: a call's duration is the one scripted for the order it timed
+        return 0.0 if next(ticks) % 2 == 0 else 1e-6 * costs[running[-1]]
+
+    def timed(order, fn):
+        def run(*args):
+            running.append(order)
+            return fn(*args)
+        return run
+
+    orders = ops_linear._orders()
+    monkeypatch.setattr(ops_linear.time, "perf_counter", clock)
+    monkeypatch.setattr(ops_linear, "ORDERS", {o: timed(o, fn) for o, fn in ops_linear.ORDERS.items()})
+    with torch.no_grad():
+        for _ in range(len(orders) * TRIALS):
+            assert decisions() == []
+            counter = MatrixProducts()
+            with counter:
+                out = linear(x, weight)
+            torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)  # the reference's product
+    monkeypatch.undo()
+    assert sorted(running) == sorted(o for o in orders for _ in range(TRIALS))  # each order, TRIALS times
+    (decision,) = decisions()
+    best = min(orders, key=costs.get)
+    expected = best if best == REFERENCE or costs[best] < MARGIN * costs[REFERENCE] else REFERENCE
+    assert decision["rows"] == 3 and decision["weight"] == [200, 24] and decision["order"] == expected
+    assert decision["us"] == {o: costs[o] for o in orders}
+    with torch.no_grad():
+        assert multiplied_by_the_weight(x, weight, grad=False) == (expected == "transposed")
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=False)  # another class: a trial
+
+
+def test_the_kernel_is_f_linear_for_every_remainder():
+    """csrc/few_rows.cpp tiles 4 weight rows x 4 input rows x 16 floats: every remainder of each."""
+    if kernel() is None:
+        pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16):
+        for n, k in ((4, 16), (5, 17), (203, 576), (7, 1536), (1, 3)):
+            x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+            # sums of k products in another order: rounding grows like sqrt(k); a tiling mistake is off by O(1)
+            torch.testing.assert_close(kernel().few_rows(x, w), F.linear(x, w), rtol=1e-5, atol=2e-6 * k**0.5)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel().few_rows(x.double(), w.double())
+
+
+def test_a_column_major_input_is_multiplied_as_rows():
+    """The fast path's own output is a column-major view; fed to the next product (the MLP's down_proj), it is
+    copied into rows first, so W @ x^T gets the right-hand side layout MKL is fast with (x^T column-major)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 24, generator=g)
+    x = torch.randn(24, 4, generator=g).t()[None]  # [1, 4, 24], column-major
+    seen = []
+
+    class Operands(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) == "aten.mm":
+                seen.append(args[1].stride())
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), forced("transposed"), Operands():
+        out = linear(x, weight)
+    assert seen == [(1, 24)]  # x^T [24, 4] column-major: x's rows contiguous
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_and_other_dtypes_keep_f_linear():
+    weight, x = torch.randn(200, 24), torch.randn(1, 3, 24)
+    with torch.no_grad(), forced("transposed"), torch.autocast("cpu", dtype=torch.bfloat16):
+        for bias in (None, torch.randn(weight.shape[0])):
+            assert linear(x, weight, bias).dtype == F.linear(x, weight, bias).dtype == torch.bfloat16
+    with torch.no_grad(), forced("transposed"), pytest.raises(RuntimeError):  # F.linear's refusal of another dtype
+        linear(x, weight, torch.randn(weight.shape[0], dtype=torch.float64))
+
+
+def test_the_layer_keeps_nn_linear_parameters_and_gradients():
+    torch.manual_seed(0)
+    layer, reference = Linear(24, 48), torch.nn.Linear(24, 48)
+    reference.load_state_dict(layer.state_dict())
+    assert isinstance(layer, torch.nn.Linear) and layer.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(1, 3, 24)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert torch.equal(layer.weight.grad, reference.weight.grad) and torch.equal(layer.bias.grad, reference.bias.grad)
+
+
+@pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
+                                                                    hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
+def test_decoding_through_the_transposed_order_keeps_the_cache_exact(kind):
+    """Forced onto the transposed order at every row count, the column-major views it returns flow through
+    attention, the KV cache, the sidecars and the LM head: cached decoding still equals the full recompute
+    (invariant 2), and verify=True still equals AR decoding with sidecars off."""
+    model = peaky(**kind)  # sharp distributions: several tokens per step
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
+    ids[:, -3:] = ids[:, 1:4]  # a repeated span: prompt lookup has drafts to offer
+    counter = MatrixProducts()
+    with forced("transposed"):
+        with counter:
+            cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
+        assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the transposed order
+        assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
+                                                      use_cache=False).sequences)
+        assert cached.steps < 12  # several tokens per step: the window forwards are exercised
+        if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
+            ar = ar_greedy(model, ids, 12).sequences
+            for draft in ("window", "lookup"):
+                out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
+                               eos_token_id=[])
+                assert torch.equal(out.sequences, ar)

@@ -1,0 +1,120 @@
+"""objective=drafter through the training program: teacher records of the frozen target's own replies, the target
+unchanged, exact resume, an export that from_pretrained loads beside its target (and verify=True stays the target's
+greedy output), the features cache, and the held-out ShareGPT split refused by id."""
+
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from r2lm import R2LMForDiffusionLM, generate
+from r2lm.checkpoints import complete_checkpoints
+from r2lm.drafter import Drafter
+from r2lm.workloads import HELDOUT_PERCENT, is_heldout
+from tests.helpers.models import make_model_dir
+from tests.helpers.processes import free_port, python, run_cli
+from tests.helpers.training import drafter_overrides, run_inprocess, teacher_records
+from train.tracking import read_metrics
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafting")
+    model = make_model_dir(root / "model", sidecar_layers=[])
+    with torch.no_grad():  # sharper greedy choices: the target's replies are learnable in a few steps
+        target = R2LMForDiffusionLM.from_pretrained(model)
+        target.lm_head.weight.mul_(20)
+        target.save_pretrained(model)
+    train = teacher_records(model, root / "train.jsonl", 24, seed=0,
+                            ids=[f"sharegpt/train{i}" for i in range(1000) if not is_heldout(f"train{i}")][:24])
+    heldout = teacher_records(model, root / "heldout.jsonl", 6, seed=1)
+    return root, model, train, heldout
+
+
+@pytest.fixture(scope="module")
+def trained(inputs):
+    out = inputs[0] / "run"
+    return run_inprocess(drafter_overrides(inputs, out, f"drafter.features_cache={inputs[0] / 'features'}"))
+
+
+def test_the_drafter_trains_and_exports_beside_an_unchanged_target(trained, inputs):
+    _, model, _, _ = inputs
+    rows = read_metrics(trained.run_dir, "train")
+    assert len(rows) == 6 and all("tau" in r and "first_right" in r for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    evals = read_metrics(trained.run_dir, "eval")
+    assert [r["step"] for r in evals] == [0, 3, 6] and all("eval_tau" in r for r in evals)
+    drafter = Drafter.from_pretrained(trained.export_dir).eval()
+    assert len(drafter.draft_ids) == 64 and drafter.config.block_size == 4
+    assert not any(k.startswith("model.") or k.startswith("lm_head") for k in load_file(trained.export_dir / "model.safetensors"))
+    target = R2LMForDiffusionLM.from_pretrained(model).eval()  # the target's files are untouched by the run
+    ids = torch.randint(3, target.config.vocab_size - 1, (2, 7), generator=torch.Generator().manual_seed(5))
+    ar = generate(target, ids, max_new_tokens=20, block_size=1, eos_token_id=[])
+    out = generate(target, ids, max_new_tokens=20, verify=True, drafter=drafter, eos_token_id=[])
+    assert torch.equal(out.sequences, ar.sequences)
+
+
+def test_a_training_checkpoint_loads_as_a_drafter(trained):
+    """Every checkpoint of the run is a drafter (the benchmark's tau-against-training-tokens curve reads them); the
+    last one holds the exported weights."""
+    last = complete_checkpoints(trained.run_dir / "checkpoints")[-1][1]
+    drafter = Drafter.from_training_checkpoint(last)
+    exported = load_file(trained.export_dir / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in drafter.state_dict().items())
+
+
+def test_features_are_cached_once_per_record(trained, inputs):
+    cached = list((inputs[0] / "features").rglob("*.pt"))
+    assert len(cached) == 24 + 6  # every training and held-out record, once
+
+
+def test_drafter_training_resumes_exactly(trained, inputs):
+    out = inputs[0] / "resumed"
+    first = run_inprocess(drafter_overrides(inputs, out, "stop_at=3"))
+    assert first.step == 3 and [s for s, _ in complete_checkpoints(out / "checkpoints")] == [3]
+    run_inprocess(drafter_overrides(inputs, out))
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in rows]  # noqa: E731
+    assert strip(read_metrics(out, None)) == strip(read_metrics(trained.run_dir, None))
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(trained.export_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_held_out_sharegpt_records_never_reach_training(inputs, tmp_path):
+    """Records are refused by their ShareGPT conversation id: the split the benchmark's chat prompts come from."""
+    _, model, _, _ = inputs
+    held = next(f"c{i}" for i in range(1000) if is_heldout(f"c{i}"))
+    assert 0 < HELDOUT_PERCENT < 50
+    bad = teacher_records(model, tmp_path / "bad.jsonl", 3, seed=2, ids=["sharegpt/x", f"sharegpt/{held}", "pydoc/y"])
+    with pytest.raises(ValueError, match=rf"line 2 continues sharegpt/{held}, a held-out ShareGPT conversation"):
+        run_inprocess(drafter_overrides((inputs[0], model, bad, None), tmp_path / "run")[:4] +
+                      drafter_overrides(inputs, tmp_path / "run")[4:])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bf16_training_runs_beside_a_float32_target(inputs, tmp_path):
+    """precision=bf16: the drafter trains in bf16 while the frozen target's features come in float32."""
+    result = run_inprocess(drafter_overrides(inputs, tmp_path / "bf16", "precision=bf16", "steps=2", "save_every=2",
+                                             "eval_every=0"))
+    drafter = Drafter.from_pretrained(result.export_dir)
+    assert drafter.fuse.weight.dtype == torch.float32  # export_dtype=auto: the target's
+    assert all(r["loss"] == r["loss"] for r in read_metrics(result.run_dir, "train"))  # finite
+
+
+@pytest.mark.parametrize("extra, message", [(["lora.enabled=true"], "lora, freeze_backbone and complementary"),
+                                            (["drafter.blocks=0"], "drafter.blocks must be positive"),
+                                            (["drafter.feature_layers=[9]"], "feature_layers must be target layer"),
+                                            (["objective=block", "drafter.layers=2"], "drafter.* keys set the drafter")])
+def test_bad_drafter_settings_are_refused(inputs, tmp_path, extra, message):
+    with pytest.raises(ValueError, match=message):
+        run_inprocess(drafter_overrides(inputs, tmp_path / "run", *extra))
+
+
+@pytest.mark.slow
+def test_two_ranks_through_the_deepspeed_launcher(inputs, tmp_path):
+
+    args = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train/pretrain.py",
+            *drafter_overrides(inputs, tmp_path / "run", "steps=2", "save_every=2", "eval_every=2")]
+    done = run_cli(args, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Drafter.from_pretrained(tmp_path / "run" / "final").config.block_size == 4
+    assert python  # (the launcher is the real one)
