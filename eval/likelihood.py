@@ -14,7 +14,7 @@ How a model is evaluated (`--mode`, see `eval_mode`):
 config, so pass `--mode ar` for it.
 
 Held-out NLL. The held-out text is tokenised and packed exactly like training data (documents followed by EOS,
-cut into `seq_len` rows; `train.data.encode` / `pack`). In every row block 0 (the first `block_size` tokens) is
+cut into `seq_len` rows; `r2lm.text.encode` / `pack`). In every row block 0 (the first `block_size` tokens) is
 context: it is never masked and never scored, and separator (EOS) tokens are never masked, as in training. The
 scored set S is every other position; it is the same for every variant. Each position draws one uniform
 u ~ U(0, 1) from a generator seeded by (seed, row index) and is masked at ratio r when u < r, so every variant

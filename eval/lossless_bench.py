@@ -85,6 +85,8 @@ class Decoded:
     rows: list[list[int]]
     tokens: int
     forwards: int | None = None
+    computed_rows: int | None = None  # rows summed over the model's forwards (threshold decoding: rows that left)
+    batch_forwards: int | None = None  # forwards times the batch: what every row staying in every forward costs
 
 
 def generated(sequences: torch.Tensor, prompt_len: int, eos: list[int], limit: int) -> list[list[int]]:
@@ -100,6 +102,24 @@ def r2lm_decoder(model, eos: list[int], pad: int, **options):
     def run(ids, mask, n, **extra):
         out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad, **options, **extra)
         return Decoded(generated(out.sequences, ids.shape[1], eos, n), out.new_tokens, out.row_steps)
+
+    return run
+
+
+def threshold_decoder(model, eos: list[int], pad: int, **options):
+    """Default (threshold) decoding, lossy: also counts the rows every forward of the model computes (finished rows
+    leave the batch at the end of their block)."""
+    def run(ids, mask, n, **extra):
+        rows = []
+        hook = model.model.register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append((args[0] if args and args[0] is not None
+                                                      else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
+        try:
+            out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad, **options, **extra)
+        finally:
+            hook.remove()
+        return Decoded(generated(out.sequences, ids.shape[1], eos, n), out.new_tokens, out.row_steps, sum(rows),
+                       len(rows) * ids.shape[0])
 
     return run
 
@@ -207,6 +227,7 @@ def speed_decoders(s: Setup, block_size: int) -> dict:
                                         True),
                 "verify:lookup": (r2lm_decoder(s.target, s.eos, s.pad, verify=True, verify_draft="lookup",
                                                block_size=block_size), False)}
+    decoders["threshold"] = (threshold_decoder(s.threshold_model, s.eos, s.pad), False)  # lossy: not checked
     for name, drafter in s.drafters.items():
         for draft in ("drafter", "lookup+drafter"):
             key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
@@ -242,13 +263,17 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
                 results.setdefault(name, outputs[name])  # the first pass's outputs
     ar = [row for d in results["ar"] for row in d.rows]
     differing = {name: sum(a != b for a, b in zip(ar, (row for d in out for row in d.rows), strict=True))
-                 for name, out in results.items() if name != "ar"}
+                 for name, out in results.items() if name not in ("ar", "threshold")}
     entry = {"prompts": len(batches) * batch,
              "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
              "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
                           if name.startswith("verify:")},
              "seconds": {name: statistics.median(t) for name, t in times.items()},
              "differing_rows": differing}
+    if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
+        out = results["threshold"]
+        entry["threshold_rows"] = {"computed": sum(d.computed_rows for d in out), "decoding": sum(d.forwards for d in out),
+                                   "all_forwards": sum(d.batch_forwards for d in out)}
     return with_ratios(entry)
 
 
@@ -270,7 +295,7 @@ def with_ratios(entry: dict) -> dict:
 def total(entries: list[dict]) -> dict:
     """The categories of one batch size together: tokens, forwards, seconds and differing rows summed."""
     summed = {key: {name: sum(e[key][name] for e in entries) for name in entries[0][key]}
-              for key in ("tokens", "forwards", "seconds", "differing_rows")}
+              for key in ("tokens", "forwards", "seconds", "differing_rows", "threshold_rows") if key in entries[0]}
     return with_ratios({"prompts": sum(e["prompts"] for e in entries), **summed})
 
 
@@ -479,6 +504,18 @@ def render(results: dict) -> str:
             for category, e in ones.items():
                 cells = [f"{e['vs_transformers_lookup'][k]:.2f}x, step {e['step_cost_vs_ar'][k]:.2f}" for k in verified]
                 lines.append(f"| {category} | " + " | ".join(cells) + " |")
+        rows = [(b, c, e["threshold_rows"]) for b, entries in p["batches"].items() if b != "1"
+                for c, e in entries.items() if "threshold_rows" in e]
+        if rows:
+            lines += ["", "*threshold* is the default (lossy) decoding of the threshold model, not checked against AR. "
+                      "A row that has stopped (EOS) leaves the forwards at the end of its block: rows the forwards "
+                      "computed, against the rows still decoding at each step and against every row in every forward "
+                      "(what it cost before finished rows left):", "",
+                      "| category | batch | rows computed | rows decoding | every row, every forward | computed / decoding |",
+                      "|---|---|---|---|---|---|"]
+            for batch, category, t in rows:
+                lines.append(f"| {category} | {batch} | {t['computed']} | {t['decoding']} | {t['all_forwards']} | "
+                             f"{t['computed'] / max(t['decoding'], 1):.2f} |")
         for name, d in p["drafters"].items():
             lines.append(f"\nDrafter {name}: `{d['path']}`, {d['num_hidden_layers']} layer(s), block "
                          f"{d['block_size']}, "

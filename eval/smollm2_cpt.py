@@ -39,7 +39,7 @@ def ar_heldout_loss(model_dir: Path, heldout: Path, seq_len: int) -> tuple[float
 
     from r2lm import R2LMForDiffusionLM
     from r2lm.diffusion import compute_loss
-    from train.data import encode, pack
+    from r2lm.text import encode, pack
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = R2LMForDiffusionLM.from_pretrained(model_dir, dtype=torch.float32).eval()

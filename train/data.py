@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from r2lm.text import encode, pack
+
 logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -366,30 +368,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    # the tokenizer would take a list for a text pair, and fail on null with a message that names no document
-    bad = next((t for t in texts if not isinstance(t, str)), "")
-    if not isinstance(bad, str):
-        raise ValueError(f"a document's text is {type(bad).__name__} {str(bad)[:60]!r}, not a string: every record's "
-                         "text field must hold a string")
-    # split_special_tokens: a document that contains the text "<|mask|>" or "<|endoftext|>" gets ordinary tokens,
-    # so [MASK] and EOS ids only ever come from the pipeline itself.
-    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-
-def pack(token_lists, eos_id: int, seq_len: int, carry: list[int] | None = None):
-    """Append EOS to each non-empty document, concatenate (after `carry`), cut into seq_len pieces.
-
-    Returns (sequences, leftover tokens)."""
-    flat = list(carry or [])
-    for ids in token_lists:
-        if ids:
-            flat.extend(ids)
-            flat.append(eos_id)
-    n = len(flat) // seq_len
-    return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)], flat[n * seq_len :]
 
 
 def pack_dataset(docs, tokenizer, eos_id: int, seq_len: int, num_proc: int = 1):

@@ -153,8 +153,9 @@ def check_same_vocabulary(teacher_tok, student_tok, teacher: str, student: str) 
 def read_prompts(args, tokenizer, limit: int | None) -> list[Prompt]:
     """The first `limit` (None: all) prompts: documents of --prompts, tokenised like the training pipeline does, cut
     to --prompt-tokens."""
+    from r2lm.text import encode
     from train.config import DataConfig
-    from train.data import encode, load_documents, resolve_source
+    from train.data import load_documents, resolve_source
 
     source = resolve_source(args.prompts, "auto", "--prompts")
     if source.builder == "hub":

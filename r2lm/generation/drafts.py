@@ -127,11 +127,15 @@ class ModelDrafts(CleanDrafts):
         kept = kept < length[:, None]
         self.drafter.append(self.context, captured, kept if head is None else torch.cat([head, kept], 1))
         opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
+        copied = None
+        if self.lookup:  # a row whose text repeats itself copies it; the drafter drafts only if some row has no copy
+            copied = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
+            if bool((copied[:, 0] != s.mask_id).all()):  # (one more read of the host, in this mode only)
+                return copied, torch.ones_like(copied, dtype=torch.float)
         draft = self.drafter.draft(self.context, opener)[:, : s.b]  # (a block_size below the drafter's: cut)
         if draft.shape[1] < s.b:  # (above: [MASK] after the drafter's block)
             draft = torch.cat([draft, draft.new_full((draft.shape[0], s.b - draft.shape[1]), s.mask_id)], 1)
-        if self.lookup:  # a row whose text repeats itself copies it instead
-            copied = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
+        if copied is not None:
             draft = torch.where((copied[:, :1] != s.mask_id), copied, draft)
         return draft, torch.ones_like(draft, dtype=torch.float)
 

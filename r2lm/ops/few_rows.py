@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp")  # OpenMP: at::parallel_for's threads
 
 
 def _cpu() -> str:
@@ -57,7 +57,8 @@ def build(verbose: bool = False):
 
     folder = build_directory()
     folder.mkdir(parents=True, exist_ok=True)
-    module = load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(folder), verbose=verbose)
+    module = load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                  build_directory=str(folder), verbose=verbose)
     kernel.cache_clear()
     return module
 

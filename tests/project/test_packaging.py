@@ -55,11 +55,10 @@ def test_training_and_converters_share_the_checkpoint_formats_not_each_other():
 # What eval/ takes from train/: the records and settings of training runs it orchestrates or reads, and the packing
 # that held-out text shares with training. Evaluations share their own helpers through eval/common.py instead.
 EVAL_USES_OF_TRAIN = {
-    "eval/common.py": {"train.data"},  # pack_texts: held-out text packed as training packs it
     "eval/gpu_check.py": {"train.tracking"},  # the metrics of the training run it launches
     "eval/hybrid_quality.py": {"train.config", "train.data", "train.pretrain"},  # its runs' held-out set and noise
     "eval/lossless_bench.py": {"train.tracking"},  # a drafter training run's metrics
-    "eval/smollm2_cpt.py": {"train.data", "train.tracking"},  # its run's packing and metrics
+    "eval/smollm2_cpt.py": {"train.tracking"},  # its run's metrics
 }
 
 

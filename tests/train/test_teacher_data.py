@@ -11,11 +11,12 @@ import torch
 from transformers import AutoTokenizer
 
 from r2lm import R2LMForDiffusionLM, generate
+from r2lm.text import encode
 from tests.helpers.models import make_model_dir, sharp_hf, tiny_tokenizer
 from tests.helpers.processes import python, run_cli
 from tests.helpers.training import corpus_paragraphs, write_corpus
 from train.config import DataConfig
-from train.data import encode, load_documents, resolve_source
+from train.data import load_documents, resolve_source
 from train.lock import RunLock
 from train.teacher_data import build_parser, generate_records
 
