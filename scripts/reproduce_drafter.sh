@@ -2,7 +2,8 @@
 # A drafter for the frozen SmolLM2-135M-Instruct, trained on CPU, and lossless decoding measured per task (issue 30).
 #
 #   bash scripts/reproduce_drafter.sh        # hours on 2 CPU cores; every stage resumes if interrupted
-#   DRAFTER_STEPS=2000 bash scripts/reproduce_drafter.sh   # train longer (the run resumes from its checkpoints)
+#   DRAFTER_PROMPTS=864 bash scripts/reproduce_drafter.sh  # the drafter behind docs/results.md (832 answers + 32)
+#   DRAFTER_STEPS=4800 bash scripts/reproduce_drafter.sh   # train longer (the run resumes from its checkpoints)
 #
 # 1. the target: SmolLM2-135M-Instruct (offline GGUF) converted to R2LM without sidecars: it is SmolLM2
 # 2. ShareGPT's training-split first user turns (r2lm.workloads; the held-out split is the benchmark's chat prompts
@@ -17,7 +18,7 @@ source "$(dirname "$0")/env.sh"
 OUT="${DRAFTER_OUT:-runs/drafter}"
 PORT="${DRAFTER_PORT:-29691}"
 PROMPTS="${DRAFTER_PROMPTS:-1600}"   # teacher answers (the 32 last held out)
-STEPS="${DRAFTER_STEPS:-600}"
+STEPS="${DRAFTER_STEPS:-2400}"
 mkdir -p "$OUT"
 source "$(dirname "$0")/stages.sh"  # stage NAME COMMAND...: run once, resumable
 

@@ -735,7 +735,20 @@ def main(argv=None) -> int:
         logger.error("%s", err)
         print(f"error: {err}", file=sys.stderr)
         return 3
+    finally:
+        end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Destroy the process group before the interpreter ends: left to interpreter shutdown, gloo's worker threads
+    can still hold work whose release needs the GIL, and the rank aborts after a finished run ("terminate called
+    without an active exception", exit 250; seen in a launcher test, pytorch/pytorch#190489). At the end of the
+    script, not of train(): an in-process caller keeps its group."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

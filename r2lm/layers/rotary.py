@@ -31,7 +31,8 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
         """positions [B or 1, T] -> cos, sin [B or 1, T, head_dim] in x's dtype."""
-        freqs = positions[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 models, fp64 for fp64 ones
+        freqs = positions[..., None].to(compute) * self.inv_freq.to(device=x.device, dtype=compute)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 

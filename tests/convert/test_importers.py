@@ -34,11 +34,12 @@ def rms_norm(x, w, eps):
 
 
 def rope(x, theta, rotary_dim):
-    """NeoX RoPE on the first `rotary_dim` dims of x [B, H, T, D]: pairs (j, j + rotary_dim/2) rotate by pos * f_j."""
+    """NeoX RoPE on the first `rotary_dim` dims of x [B, H, T, D]: pairs (j, j + rotary_dim/2) rotate by pos * f_j.
+    The frequencies f_j are float32 as the sources compute them; the angles are in x's dtype."""
     T, half = x.shape[2], rotary_dim // 2
-    freqs = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None]
-    cos, sin = angle.cos().float(), angle.sin().float()
+    freqs = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) * 2 / rotary_dim)
+    angle = torch.arange(T, dtype=x.dtype)[:, None] * freqs.to(x.dtype)[None]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     a, b, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
@@ -118,9 +119,18 @@ def llada2_reference(sd, cfg, ids):
 
 
 def _logits(dst, ids):
-    model = R2LMForDiffusionLM.from_pretrained(dst).eval()
+    """The imported model's logits in float64, as the oracle computes them: float32 would compare two summation
+    orders (which differ by kernel family, hence by CPU) at a tolerance that rounding alone can exceed."""
+    model = R2LMForDiffusionLM.from_pretrained(dst).eval().double()
     with torch.no_grad():
         return model, model(ids).logits
+
+
+def f64(sd):
+    return {name: t.double() for name, t in sd.items()}
+
+
+EXACT = dict(atol=1e-10, rtol=1e-10)  # float64 on both sides: any real difference is many orders larger
 
 
 IDS = torch.randint(0, SOURCE_VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -142,12 +152,12 @@ def test_llada_import_matches_the_llada_forward(tmp_path, variant):
     assert c.vocab_size == cfg["embedding_size"] and logits.shape == (2, 11, cfg["embedding_size"])
     assert c.tie_word_embeddings == cfg["weight_tying"] and c.num_key_value_heads == cfg["n_kv_heads"]
     with torch.no_grad():
-        expected = llada_reference(sd, cfg, IDS)
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        expected = llada_reference(f64(sd), cfg, IDS)
+        torch.testing.assert_close(logits, expected, **EXACT)
         # the oracle discriminates: reading up_proj as the gated projection gives other logits
         b = "model.transformer.blocks.0."
         swapped = dict(sd) | {b + "ff_proj.weight": sd[b + "up_proj.weight"], b + "up_proj.weight": sd[b + "ff_proj.weight"]}
-        assert (llada_reference(swapped, cfg, IDS) - logits).abs().max() > 1e-3
+        assert (llada_reference(f64(swapped), cfg, IDS) - logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -159,7 +169,7 @@ def test_dream_import_matches_the_dream_forward(tmp_path, tie):
     assert (c.attention, c.prediction, c.mask_token_id, c.block_size) == ("bidirectional", "shift", 97, 16)
     assert (c.attention_bias, c.o_proj_bias, c.qk_norm, c.tie_word_embeddings) == (True, False, False, tie)
     with torch.no_grad():
-        torch.testing.assert_close(logits, dream_reference(sd, cfg, IDS), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, dream_reference(f64(sd), cfg, IDS), **EXACT)
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(qkv_bias=True, dense_bias=True, num_experts=None, tie=True)],
@@ -173,7 +183,7 @@ def test_llada2_import_matches_the_llada2_forward(tmp_path, variant):
     assert c.qk_norm and c.head_dim == 16 and c.rope_parameters["partial_rotary_factor"] == 0.5
     assert (c.attention_bias, c.o_proj_bias) == (cfg["use_qkv_bias"], cfg["use_bias"])
     with torch.no_grad():
-        torch.testing.assert_close(logits, llada2_reference(sd, cfg, IDS), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, llada2_reference(f64(sd), cfg, IDS), **EXACT)
 
 
 def test_llada2_sidecars_start_closed(tmp_path):
@@ -185,7 +195,7 @@ def test_llada2_sidecars_start_closed(tmp_path):
     assert model.config.sidecar_layers == [0, 2] and model.config.block_size == 8
     assert all(float(model.model.layers[i].sidecar.gate.detach()) == 0.0 for i in (0, 2))
     with torch.no_grad():
-        torch.testing.assert_close(logits, llada2_reference(sd, cfg, IDS), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, llada2_reference(f64(sd), cfg, IDS), **EXACT)
 
 
 def test_layout_defaults_for_mask_ids():

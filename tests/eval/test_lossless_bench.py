@@ -61,13 +61,16 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     root, hf, target, drafter, run = inputs
     results_md = root / "results.md"
     results_md.write_text(DOCS + "\n" + lossless_bench.BEGIN + "\nplaceholder\n" + lossless_bench.END + "\n\nafter\n")
+    # window drafts: the same backbone with (untrained) sidecars, the baseline a drafter is compared with
+    window = convert_from_hf(hf, root / "window", sidecar_layers=[1], block_size=4)
     lossless_bench.main(["--target", str(target), "--reference", str(hf), "--drafter", f"untrained={drafter}",
-                         "--curve", str(run), "--batch-sizes", "1", "2", *common(root)])
+                         "--window", f"sidecars={window}", "--curve", str(run), "--batch-sizes", "1", "2",
+                         *common(root)])
     data = json.loads((root / "out" / "lossless.json").read_text())
     assert set(data["parts"]) == {"speed", "humaneval", "curve"} and data["verify_is_ar"] is True
     speed = data["parts"]["speed"]
     assert set(speed["batches"]) == {"1", "2"}
-    verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained"}
+    verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained", "verify:sidecars"}
     for batch, entries in speed["batches"].items():
         assert set(entries) == {"code", "chat", "prose", "all"}
         for e in entries.values():
@@ -103,6 +106,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert text.startswith(DOCS + "\n" + lossless_bench.BEGIN + "\n## Lossless decoding\n")
     assert text.endswith(lossless_bench.END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
+    assert "Window drafts sidecars:" in text and speed["windows"]["sidecars"]["sidecar_layers"] == [1]
 
     # --update measures the parts given again and keeps the others as they were
     lossless_bench.main(["--target", str(target), "--curve", str(run), "--parts", "curve", "--update",
@@ -126,19 +130,23 @@ def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
 
 
 def test_humaneval_scoring_runs_the_harness():
-    """pass@1 comes from running each completion against its tests: the canonical solution passes, a wrong body
-    fails, and a completion is cut at the first stop sequence."""
+    """pass@1 comes from running each completion against its tests: the canonical body passes, so does a whole
+    function after the prompt's stub, a wrong body fails; a reply is scored on its first code block."""
     problems = list(humaneval_problems().values())[:2]
     right = [p["canonical_solution"] for p in problems]
+    whole = ["\n" + p["prompt"] + p["canonical_solution"] for p in problems]  # the function a reply defines
     wrong = ["    return None\n"] * 2
-    passed = lossless_bench.score(problems, {"right": right, "wrong": wrong}, timeout=5.0)
-    assert passed == {"right": [True, True], "wrong": [False, False]}
+    passed = lossless_bench.score(problems, {"right": right, "whole": whole, "wrong": wrong}, timeout=5.0)
+    assert passed == {"right": [True, True], "whole": [True, True], "wrong": [False, False]}
 
     class Text:
         def decode(self, row, skip_special_tokens):
             return row[0]
 
-    assert lossless_bench.completion_of(Text(), ["    return 1\nprint(f(2))\ndef g():"]) == "    return 1"
+    reply = "Here it is:\n```python\ndef f(x):\n    return 1\n```\nIt returns 1."
+    assert lossless_bench.completion_of(Text(), [reply]) == "\ndef f(x):\n    return 1"
+    assert lossless_bench.completion_of(Text(), ["```py\n    return 1"]) == "\n    return 1"  # cut by the budget
+    assert lossless_bench.completion_of(Text(), ["no code"]) == "\nno code"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -148,6 +156,8 @@ def test_humaneval_scoring_runs_the_harness():
     (["--humaneval-problems", "0"], "must be a positive integer, got 0"),
     (["--drafter", "lookup=DRAFTER"], "not 'lookup'"),
     (["--parts", "curve"], "give at least one --curve RUN_DIR"),
+    (["--window", "w=NOWHERE"], "is not a model folder"),
+    (["--drafter", "x=DRAFTER", "--window", "x=DRAFTER"], "names must differ"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(inputs, tmp_path, capsys, extra, message):
     root, _, target, drafter, _ = inputs
@@ -156,6 +166,16 @@ def test_bad_input_is_refused_before_anything_is_written(inputs, tmp_path, capsy
         lossless_bench.main(["--target", str(target), *extra, "--out", str(tmp_path / "out"), "--results-md",
                              str(tmp_path / "results.md")])
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results.md").exists()
+
+
+def test_window_drafts_need_sidecars(inputs, tmp_path):
+    """--window takes a model with sidecars on the target's backbone: the target itself (no sidecars) is refused
+    when the models load, before anything is measured or written."""
+    root, _, target, _, _ = inputs
+    with pytest.raises(ValueError, match="through sidecars"):
+        lossless_bench.main(["--target", str(target), "--window", f"none={target}", "--out", str(tmp_path / "out"),
+                             "--results-md", str(tmp_path / "results.md")])
     assert not (tmp_path / "out").exists() and not (tmp_path / "results.md").exists()
 
 
