@@ -260,7 +260,8 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
     for ax, (m, b) in zip(axes[0], cells, strict=True):
         t = results["models"][m]["batches"][b]["ms"]
-        ax.bar(list(KINDS), [t[k] for k in KINDS], color=["#555"] + ["#c44"] * 2 + ["#48c"] * 2 + ["#8a4", "#c84", "#8a4"])
+        colors = ["#555"] + ["#c44"] * 2 + ["#48c"] * 2 + ["#8a4", "#8a4", "#c84"]  # ar, denoise, nosc, commits, fused
+        ax.bar(list(KINDS), [t[k] for k in KINDS], color=colors)
         ax.set_title(f"{m}, batch {b}")
         ax.set_ylabel("ms per forward")
         ax.tick_params(axis="x", rotation=60)
@@ -318,7 +319,8 @@ def main(argv=None) -> dict:
 
 def print_table(results: dict) -> None:
     print(f"\nper-forward ms against a {results['cache_tokens']}-token cache, {results['threads']} threads")
-    print(f"{'model':<11}{'batch':>6}" + "".join(f"{k:>11}" for k in KINDS) + f"{'dn16/ar':>9}{'sc share':>9}{'syncs':>7}{'v8/ar':>7}{'oracle':>8}")
+    print(f"{'model':<11}{'batch':>6}" + "".join(f"{k:>11}" for k in KINDS)
+          + f"{'dn16/ar':>9}{'sc share':>9}{'syncs':>7}{'v8/ar':>7}{'oracle':>8}")
     for name, entry in results["models"].items():
         for batch, cell in entry["batches"].items():
             ms = cell["ms"]

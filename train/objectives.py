@@ -14,6 +14,7 @@ once training ends (`finish`) and what a held-out evaluation's log line adds to 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -21,7 +22,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-class Objective:
+class Objective(ABC):
+    """What every objective shares; each builds its own module and loss."""
+
     eval_at_start = False  # evaluate before the first step (attention transfer reports its MSE before and after)
 
     def __init__(self, cfg):
@@ -29,17 +32,20 @@ class Objective:
 
     def check(self, config) -> None:
         """Refuse a config that does not fit the model (ValueError), before any work starts."""
+        return  # by default every config fits
 
+    @abstractmethod
     def module(self, model_dir: Path, plan):
-        raise NotImplementedError
+        """The torch module DeepSpeed trains, loaded from model_dir."""
 
     def data(self, plan, eos_id: int, rank: int, world: int, first_on_node: bool, barrier):
         from train.data import build_data
 
         return build_data(self.cfg, plan.tokenizer, eos_id, rank, world, first_on_node=first_on_node, barrier=barrier)
 
+    @abstractmethod
     def loss(self, engine, batch, generator, model_config):
-        raise NotImplementedError
+        """The loss of one micro-batch (a r2lm.diffusion.Loss), its noise drawn from `generator`."""
 
     def write_extras(self, folder: Path, engine, plan, model_dir: Path, export_dtype: str) -> None:
         """What a checkpoint (and its export) holds beside the weight shards: the model config and the tokenizer."""
@@ -68,6 +74,7 @@ class Objective:
 
     def finish(self, run_dir: Path, model_config) -> None:
         """After the last step of a completed run (rank 0)."""
+        return  # by default nothing more to write
 
     def eval_note(self, record: dict) -> str:
         """What the log line of a held-out evaluation adds to its loss (attention transfer: each layer's MSE)."""
