@@ -170,6 +170,7 @@ class Drafter(PreTrainedModel):
                 raise ValueError(f"{folder} is not a drafter folder (no config.json): train one with train/pretrain.py "
                                  "objective=drafter (its final/)")
             check_weights(folder)
+        kwargs.setdefault("use_kernels", False)  # no Hub kernels (R2LMForDiffusionLM.from_pretrained says why)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         refuse_partial_load(info, pretrained_model_name_or_path)
         return model

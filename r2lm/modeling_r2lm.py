@@ -179,6 +179,10 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, R2LMGenerationMixin):
                 check_weights(folder)
             if kwargs.get("generation_config") is None:
                 read_generation_config(folder)
+        # transformers >= 5.2x swaps its activation layers for Hugging Face Hub kernels on a GPU unless told not to:
+        # a download (which fails offline, where HF_HUB_OFFLINE=1) of code r2lm is not tested against; r2lm's CUDA
+        # paths are its own (r2lm.ops). use_kernels=True still asks for them.
+        kwargs.setdefault("use_kernels", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         refuse_partial_load(info, pretrained_model_name_or_path)
         return (model, info) if output_loading_info else model

@@ -66,3 +66,11 @@ def test_from_pretrained_still_loads_matching_checkpoints(tied_checkpoint, tmp_p
     untied.save_pretrained(tmp_path / "untied")
     loaded = R2LMForDiffusionLM.from_pretrained(tmp_path / "untied")
     assert all(v.equal(untied.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_from_pretrained_asks_for_no_hub_kernels(tied_checkpoint):
+    """transformers >= 5.2x kernelizes a loaded model by default, and on a GPU that means downloading Hub kernels for
+    its activations: offline (HF_HUB_OFFLINE=1) every training run on a GPU failed at its first forward (seen by
+    scripts/gpu_check.sh on an H200). r2lm asks for none unless told to."""
+    assert not R2LMForDiffusionLM.from_pretrained(tied_checkpoint).use_kernels
+    assert R2LMForDiffusionLM.from_pretrained(tied_checkpoint, use_kernels=True).use_kernels
