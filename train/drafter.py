@@ -1,20 +1,24 @@
-"""objective=drafter: a drafter (r2lm.drafter) trained for a frozen target on the target's own text.
+"""objective=drafter: a drafter (r2lm.drafter) trained for a frozen target on text it reads.
 
-Data: teacher records (train/teacher_data.py with --chat: ShareGPT prompts continued by the target), each the token
-ids exactly as read and generated and the prompt's length; blocks are drawn at random anchors inside the reply.
-A record of a held-out ShareGPT conversation (its `id`, r2lm.workloads) is refused: the benchmark's chat prompts
-never reach training. A record longer than seq_len loses the start of its prompt (the reply is what drafts
-continue), then its end.
+Data: jsonl records of token ids and the spans the drafter learns to continue: teacher records (train/teacher_data.py
+with --chat: ShareGPT prompts continued by the target, its own greedy replies: `prompt_tokens` marks where the reply
+starts) or fixed-text records (train/fixed_text.py: ShareGPT's conversations as they are, every assistant turn a
+`spans` entry). Blocks are drawn at random anchors inside the replies. A record of a held-out ShareGPT conversation
+(its `id`, r2lm.workloads) is refused: the benchmark's chat prompts never reach training. A record longer than seq_len
+is cut into consecutive windows of seq_len tokens (those holding a reply token are kept).
 
 The target's features (its outputs at the drafter's feature_layers) are what one training step costs most on a
-CPU: a target forward over every token. `drafter.features_cache` keeps them on disk (float16, one file per record,
-named by a hash of its tokens, in a folder named by the target's weights and the layers), so every epoch after the
-first reads them instead. Records are batched by a seeded permutation per epoch: (seed, step, micro-batch, rank)
-decide a batch, so a resumed run reads what the uninterrupted one would have.
+CPU: a target forward over every token. Without `drafter.features_cache` they are computed for each batch (in
+`drafter.features_dtype`, one record per forward): the cost of a single pass over a large corpus. With it they are
+kept on disk (bfloat16, one file per record, named by a hash of its tokens, in a folder named by the target's
+weights, the layers and the dtype), so every epoch after the first reads them instead; a file that does not hold
+its record's length and layers is computed again. Records are batched by a seeded permutation per epoch: (seed,
+step, micro-batch, rank) decide a batch, so a resumed run reads what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -32,16 +36,49 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Record:
     ids: list[int]
-    start: int  # the first generated token
+    spans: list[tuple[int, int]]  # [start, end) of the tokens to draft (replies), in order
     name: str  # where it comes from: "FILE, line N"
 
+    @property
+    def reply_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
 
-def read_records(files: list[str], seq_len: int, what: str) -> list[Record]:
-    """The teacher records of jsonl `files`, fitted to seq_len; a record that is no teacher record, or that holds a
-    held-out ShareGPT prompt, is refused naming its file and line."""
+
+def spans_of(record: dict, where: str) -> list[tuple[int, int]]:
+    """The reply spans of a record: its `spans`, or (a teacher record) everything after its `prompt_tokens`."""
+    ids, prompt, spans = record.get("ids"), record.get("prompt_tokens"), record.get("spans")
+    if (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)
+            or not isinstance(prompt, int) or not 0 < prompt <= len(ids)):
+        raise ValueError(f"{where} has no token `ids` with their `prompt_tokens`: a drafter trains on records as "
+                         "train/teacher_data.py and train/fixed_text.py write them")
+    if spans is None:
+        return [(prompt, len(ids))] if prompt < len(ids) else []
+    ok = isinstance(spans, list) and all(isinstance(x, list) and len(x) == 2 and all(isinstance(i, int) for i in x)
+                                         for x in spans)
+    if ok:
+        ends = [i for span in spans for i in span]
+        ok = ends == sorted(ends) and all(a < b for a, b in spans) and (not ends or (ends[0] > 0 and ends[-1] <= len(ids)))
+    if not ok:
+        raise ValueError(f"{where}: `spans` must be ordered, disjoint [start, end) pairs inside its ids (after the "
+                         f"first token), got {str(spans)[:80]}")
+    return [tuple(x) for x in spans]
+
+
+def windows(ids: list[int], spans: list[tuple[int, int]], seq_len: int):
+    """(ids, spans) of consecutive seq_len windows of a record that hold a reply token; spans relative to each."""
+    for at in range(0, max(len(ids) - 1, 1), seq_len):
+        inside = [(max(a, at + 1) - at, min(b, at + seq_len) - at) for a, b in spans if a < at + seq_len and b > at + 1]
+        if inside:
+            yield ids[at : at + seq_len], inside
+
+
+def read_records(files: list[str], seq_len: int, what: str, max_tokens: int = 0) -> list[Record]:
+    """The records of jsonl `files`, cut to seq_len windows; with `max_tokens`, the leading records up to that many
+    tokens. A record that is no teacher or fixed-text record, or that holds a held-out ShareGPT prompt, is refused
+    naming its file and line."""
     from r2lm.workloads import is_heldout_prompt
 
-    records = []
+    records, tokens = [], 0
     for file in files:
         with open(file, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -50,30 +87,27 @@ def read_records(files: list[str], seq_len: int, what: str) -> list[Record]:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{where} is not JSON ({err.msg}): a drafter trains on train/teacher_data.py "
-                                     "records") from None
-                ids, prompt = record.get("ids") if isinstance(record, dict) else None, None
-                if isinstance(record, dict):
-                    prompt = record.get("prompt_tokens")
-                if (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)
-                        or not isinstance(prompt, int) or not 0 < prompt <= len(ids)):
-                    raise ValueError(f"{where} has no token `ids` with their `prompt_tokens`: a drafter trains on the "
-                                     "target's own tokens, as train/teacher_data.py writes them")
+                                     "or train/fixed_text.py records") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{where} is not a record (a JSON object)")
+                spans = spans_of(record, where)
                 if isinstance(record.get("id"), str) and is_heldout_prompt(record["id"]):
                     raise ValueError(f"{where} continues {record['id']}, a held-out ShareGPT conversation (the "
                                      "benchmark's chat prompts): write training records from the training split "
-                                     "(python -m r2lm.workloads chat-train)")
-                if prompt == len(ids):  # nothing generated: no block to draft
-                    continue
-                reply = len(ids) - prompt
-                cut = max(0, prompt - (seq_len - min(reply, seq_len // 2)))  # keep at least half a sequence of reply
-                records.append(Record(ids[cut : cut + seq_len], prompt - cut, where))
+                                     "(python -m r2lm.workloads chat-train, train/fixed_text.py)")
+                for ids, inside in windows(record["ids"], spans, seq_len):
+                    records.append(Record(ids, inside, where))
+                    tokens += len(ids)
+                if max_tokens and tokens >= max_tokens:
+                    return records
     if not records:
-        raise ValueError(f"{what} holds no record with a generated token")
+        raise ValueError(f"{what} holds no record with a reply token")
     return records
 
 
 class Batches:
-    """Records as right-padded batches of token ids (a dict: ids, valid, starts and each record's cache key)."""
+    """Records as right-padded batches of token ids (a dict: ids, valid, reply: which tokens are drafted, and each
+    record's cache key)."""
 
     def __init__(self, records: list[Record], micro_batch: int, pad_id: int):
         self.records, self.micro_batch, self.pad_id = records, micro_batch, pad_id
@@ -83,11 +117,13 @@ class Batches:
         width = max(len(r.ids) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.long)
+        reply = torch.zeros(len(rows), width, dtype=torch.bool)
         for row, record in enumerate(rows):
             ids[row, : len(record.ids)] = torch.tensor(record.ids)
             valid[row, : len(record.ids)] = 1
-        starts = torch.tensor([r.start for r in rows])
-        return {"ids": ids, "valid": valid, "starts": starts, "keys": [_key(r.ids) for r in rows]}
+            for start, end in record.spans:
+                reply[row, start:end] = True
+        return {"ids": ids, "valid": valid, "reply": reply, "keys": [_key(r.ids) for r in rows]}
 
 
 class TrainBatches(Batches):
@@ -137,47 +173,52 @@ def _key(ids: list[int]) -> str:
 
 
 class FeatureCache:
-    """The target's outputs at the feature layers for each record, rounded to float16, computed once (on disk, see
-    the module docstring); without a folder, computed every time (the same values: the cache only saves time)."""
+    """The target's outputs at the feature layers for each record, computed in `dtype` and rounded to bfloat16
+    (the module docstring); without a folder, computed for every batch (the same values: the cache only saves
+    time)."""
 
-    def __init__(self, folder: str | None, target, layers: tuple[int, ...]):
+    def __init__(self, folder: str | None, target, layers: tuple[int, ...], dtype: torch.dtype = torch.float32):
         from r2lm.prefix.identity import ModelIdentity
 
-        self.target, self.layers = target, layers
+        # (a copy in another dtype: the drafter reads the float32 target's embeddings and LM head)
+        self.target = target if target.dtype == dtype else copy.deepcopy(target).to(dtype)
+        self.layers, self.dtype = layers, dtype
         self.folder, self.hits, self.misses = None, 0, 0
-        if folder is not None:  # one folder per target (every config field and weight) and feature layers
+        if folder is not None:  # one folder per target (every config field and weight), feature layers and dtype
             identity = ModelIdentity.of(target)
-            key = json.dumps([identity.config, identity.tensors, list(layers)], sort_keys=True)
+            key = json.dumps([identity.config, identity.tensors, list(layers), str(dtype)], sort_keys=True)
             key = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
             self.folder = Path(folder) / key
             self.folder.mkdir(parents=True, exist_ok=True)
 
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[rows, T, layers, hidden] bfloat16: the target's outputs at the feature layers over right-padded rows."""
+        captured = self.target.model(ids.to(self.target.device), capture=self.layers).captured
+        return torch.stack(captured, 2).to(torch.bfloat16).cpu()
+
     @torch.no_grad()
     def __call__(self, batch: dict) -> list[torch.Tensor]:
-        ids, valid = batch["ids"], batch["valid"]
-        hidden = self.target.config.hidden_size
-        paths = [None] * len(ids) if self.folder is None else [self.folder / f"{k}.pt" for k in batch["keys"]]
-        out = torch.zeros(len(self.layers), *ids.shape, hidden)
-        missing = []
-        for row, path in enumerate(paths):
-            if path is not None and path.is_file():
-                stored = torch.load(path, weights_only=True)  # [T, layers, hidden] float16
-                out[:, row, : stored.shape[0]] = stored.float().permute(1, 0, 2)
-                self.hits += 1
+        ids, lengths = batch["ids"], batch["valid"].sum(1).tolist()
+        out = torch.zeros(*ids.shape, len(self.layers), self.target.config.hidden_size)
+        for row, key in enumerate(batch["keys"]):
+            length = lengths[row]
+            path = None if self.folder is None else self.folder / f"{key}.pt"
+            stored = torch.load(path, weights_only=True) if path is not None and path.is_file() else None
+            if stored is not None and stored.shape != (length, len(self.layers), out.shape[-1]):
+                logger.warning("%s holds features of shape %s, not its record's (%d, %d, %d): computed again", path,
+                               tuple(stored.shape), length, len(self.layers), out.shape[-1])
+                stored = None
+            if stored is None:  # one record per forward: the features depend on the record alone, cached or not
+                stored = self._forward(ids[row : row + 1, :length])[0]
+                if path is not None:
+                    self.misses += 1
+                    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                    torch.save(stored.clone(), tmp)
+                    os.replace(tmp, path)  # whole or absent: a reader never sees half a file
             else:
-                missing.append(row)
-        for row in missing:  # one record per forward: its features depend on it alone, not on its batch
-            length = int(valid[row].sum())
-            device = self.target.device
-            captured = self.target.model(ids[row : row + 1, :length].to(device), capture=self.layers).captured
-            # float16 whether stored or not: the cache only saves time
-            out[:, row, :length] = torch.cat(captured).half().float().cpu()
-            if paths[row] is not None:
-                self.misses += 1
-                tmp = paths[row].with_name(f"{paths[row].name}.{os.getpid()}.tmp")
-                torch.save(out[:, row, :length].permute(1, 0, 2).half().clone(), tmp)
-                os.replace(tmp, paths[row])  # whole or absent: a reader never sees half a file
-        return list(out.unbind(0))
+                self.hits += 1
+            out[row, :length] = stored.float()
+        return list(out.unbind(2))
 
 
 def load_target(model_dir: Path):

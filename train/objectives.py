@@ -201,7 +201,13 @@ class Drafting(Objective):
         if self.cfg.drafter.init == "target":
             drafter.start_from(self.target)
         drafter.bind(self.target)
-        self.features = FeatureCache(self.cfg.drafter.features_cache, self.target, tuple(drafter.config.feature_layers))
+        section = self.cfg.drafter
+        top = self.target.config.num_hidden_layers - 1
+        if section.distill and top not in drafter.config.feature_layers:
+            raise ValueError(f"drafter.distill reads the target's logits from its last layer's output: add layer {top} "
+                             f"to drafter.feature_layers ({drafter.config.feature_layers})")
+        self.features = FeatureCache(section.features_cache, self.target, tuple(drafter.config.feature_layers),
+                                     getattr(torch, section.features_dtype))
         logger.info("drafter: %d layers (%s in-block attention%s), draft vocabulary %d, features of target layers "
                     "%s", drafter.config.num_hidden_layers, drafter.config.in_block,
                     ", reverse sidecar" if drafter.config.sidecar else "", len(drafter.draft_ids),
@@ -212,8 +218,8 @@ class Drafting(Objective):
         """The draft vocabulary: the `size` tokens most frequent in the training records' replies, and every EOS."""
         counts = torch.zeros(self.target.config.vocab_size, dtype=torch.long)
         for record in self.records:
-            counts.index_add_(0, torch.tensor(record.ids[record.start :]), torch.ones(len(record.ids) - record.start,
-                                                                                         dtype=torch.long))
+            for start, end in record.spans:
+                counts.index_add_(0, torch.tensor(record.ids[start:end]), torch.ones(end - start, dtype=torch.long))
         eos = self.target.config.eos_token_id
         for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
             counts[i] = counts.max() + 1
@@ -226,25 +232,27 @@ class Drafting(Objective):
         cfg = self.cfg
         pad = plan.tokenizer.pad_token_id if plan.tokenizer.pad_token_id is not None else eos_id
         self.records = read_records(resolve_source(cfg.data.train, cfg.data.format, "data.train").files, cfg.seq_len,
-                                    "data.train")
+                                    "data.train", cfg.drafter.max_tokens)
         train = TrainBatches(self.records, cfg.micro_batch_size, cfg.grad_accum, rank, world, cfg.seed, pad)
         heldout = None
         if cfg.data.heldout is not None:
             held = read_records(resolve_source(cfg.data.heldout, cfg.data.format, "data.heldout").files, cfg.seq_len,
                                 "data.heldout")
             heldout = EvalBatches(held, cfg.micro_batch_size, world, cfg.eval_batches, pad)
-        logger.info("drafter data: %d training records%s", len(self.records),
+        logger.info("drafter data: %d training records, %d tokens (%d to draft)%s", len(self.records),
+                    sum(len(r.ids) for r in self.records), sum(r.reply_tokens for r in self.records),
                     f", {len(heldout.records)} held out" if heldout else "")
         return Data(train, heldout, eos_id, len(self.records))
 
     def loss(self, engine, batch, generator, model_config):
-        if self.target.device != engine.device:  # the frozen target sits beside the drafter DeepSpeed placed
-            self.target.to(engine.device)
+        for target in (self.target, self.features.target):  # the frozen target sits beside the drafter DeepSpeed placed
+            if target.device != engine.device:
+                target.to(engine.device)
         captured = [h.to(engine.device) for h in self.features(batch)]
         section = self.cfg.drafter
         return engine(captured, batch["ids"].to(engine.device), batch["valid"].to(engine.device),
-                      batch["starts"].to(engine.device), section.blocks, generator, section.decay,
-                      section.feature_weight)
+                      batch["reply"].to(engine.device), section.blocks, generator, section.decay,
+                      section.feature_weight, section.distill)
 
     def write_extras(self, folder: Path, engine, plan, model_dir: Path, export_dtype: str) -> None:
         engine.module.config.save_pretrained(folder)

@@ -37,9 +37,9 @@ def trained(target, steps: int = 60) -> Drafter:
         captured = target.model(text, capture=layers).captured
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     g = torch.Generator().manual_seed(0)
-    valid, starts = torch.ones_like(text), torch.full((text.shape[0],), 6)
+    valid, reply = torch.ones_like(text), torch.arange(text.shape[1]).expand_as(text) >= 6  # after the prompt
     for _ in range(steps):
-        out = drafter.loss(captured, text, valid, starts, blocks=8, generator=g)
+        out = drafter.loss(captured, text, valid, reply, blocks=8, generator=g)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
