@@ -303,15 +303,20 @@ class Drafter(PreTrainedModel):
         return linear(h, self._bound().rows)  # (r2lm.ops.linear: F.linear under autograd, the fastest order when drafting)
 
     @torch.no_grad()
-    def draft(self, context: DraftContext, openers: torch.Tensor) -> torch.Tensor:
+    def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
         """Target token ids [B, b] drafted after the context and the opener token [B] (the last committed one):
-        column j is the guess for the token j + 1 positions after it. The context is read, not changed."""
+        column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the drafter's
+        probability of each guess [B, b]). The context is read, not changed."""
         b, cache = self.config.block_size, context.kv
         layout = Layout.span(torch.ones(openers.shape[0], b, dtype=torch.long, device=openers.device),
                              start=cache.next_position, noisy=True, chunk=1)
         plan = plan_of(self.stack, self.rotary_emb, layout, cache, like=self.fuse.weight)
         h = self.hidden(self.block_inputs(openers, context.last, b), plan, cache)
-        return self.draft_ids[self.logits(h).argmax(-1)]
+        logits = self.logits(h)
+        if not confidence:
+            return self.draft_ids[logits.argmax(-1)]
+        p, guess = logits.float().softmax(-1).max(-1)
+        return self.draft_ids[guess], p
 
     # ------------------------------------------------------------------ training
 

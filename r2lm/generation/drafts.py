@@ -1,36 +1,46 @@
 """Where verified decoding's drafts come from (`generate(..., verify=True, verify_draft=...)`): one interface,
-several drafters. Whatever drafts, what is committed is the target's own greedy AR output (r2lm.generation.verify).
+several drafters, one registry (DRAFTS). Whatever drafts, what is committed is the target's own greedy AR output
+(r2lm.generation.verify), and how much of a draft each step submits is the policy's (r2lm.generation.policy).
 
     window          the model's own diffusion window (R2LM self-speculation, for models trained for [MASK]): the
                     verification forward also reads one window per way verification can end and pre-drafts the
                     next draft from it (after TiDAR)
     lookup          prompt lookup: what followed the row's last tokens earlier in its own text (r2lm.generation.lookup)
     drafter         a drafter model (r2lm.drafter) reading the target's context features, after each verification
-    lookup+drafter  lookup where the row's text has a draft to copy, the drafter elsewhere
+    lookup+drafter  per row, lookup's draft or the drafter's, whichever the policy expects to commit more
 
 A Drafts object runs the verification forward itself (a drafter decides which columns the forward reads and what it
-keeps of it) and makes the next draft:
+keeps of it) and proposes the next drafts (a policy.Proposal: tokens, the source's confidence, which source):
 
-    first()                              the first draft [B, b] ([MASK] where it has none) and its confidence
+    sources, widths                      its draft sources' names; the forward widths it can run (1 = an AR step)
+    first()                              the first proposal ([MASK] where it has none)
+    width(proposal)                      the next forward's width (the policy's choice)
     verify(opener, draft, width)         the target's logits [B, width, V] at the clean columns
                                          [opener, draft[:, :width - 1]]: AR's next token after each prefix
-    next(length, ar, agreed)             the next draft, once each row accepted `agreed` draft tokens and committed
-                                         its `length` first tokens of `ar` (AR's greedy tokens at the columns)
+    next(length, ar, agreed)             the next proposal, once each row accepted `agreed` draft tokens and
+                                         committed its `length` first tokens of `ar` (AR's greedy tokens)
     keep_rows(stay)                      rows that finished leave
     prepare_shapes()                     the forward shapes the loop will run (built before its first step)
+    costs()                              what its forwards cost here (r2lm.generation.costs), measured once
 
 `state` (r2lm.generation.verify.Verification) holds the rows' text, their committed lengths and the context.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
+from r2lm.cache import KVCache
+from r2lm.generation.costs import MeasuredCosts, kept_costs, measured_widths
 from r2lm.generation.lookup import lookup_draft
+from r2lm.generation.policy import Policy, Proposal
 from r2lm.generation.sampling import propose
+from r2lm.generation.window import WindowReader
 from r2lm.layout import Layout
 
-DRAFTS = ("window", "lookup", "drafter", "lookup+drafter")
+COST_CONTEXT = 64  # the shortest context a cost is measured over (a forward's cost barely depends on it here)
 
 
 def verify_layout(b: int, outcomes: list[int], device=None) -> Layout:
@@ -53,37 +63,125 @@ def drafted_outcomes(b: int, windows: int | None) -> list[int]:
     return [*range(windows - 1), b - 1]
 
 
-class CleanDrafts:
-    """Drafts made between forwards: the verification forward reads the clean columns alone (b of them, or one, an
-    AR step, where no row still decoding has a draft token)."""
+def scratch_reader(model, rows: int, context: int, room: int) -> WindowReader:
+    """A reader over a cache of `rows` rows holding `context` tokens (for timing forwards: never the call's own)."""
+    cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
+    reader = WindowReader(model, cache)
+    reader.read(torch.zeros(rows, context, dtype=torch.long, device=model.device), context,
+                keep=slice(context - 1, context))
+    return reader
 
-    capture: tuple[int, ...] = ()
 
-    def __init__(self, state):
-        self.state = state
-        device = state.device
-        self.wide = verify_layout(state.b, [], device)
-        self.narrow = verify_layout(1, [], device)
+class Drafts(ABC):
+    """The draft sources of one verify=True call and the verification forward they need (the module docstring)."""
+
+    sources: tuple[str, ...]
+    capture: tuple[int, ...] = ()  # target layers whose outputs the forward returns too (a drafter's context)
+
+    def __init__(self, state, policy: Policy):
+        self.state, self.policy = state, policy
+
+    @property
+    @abstractmethod
+    def widths(self) -> tuple[int, ...]: ...
+
+    @abstractmethod
+    def first(self) -> Proposal: ...
+
+    @abstractmethod
+    def verify(self, opener: torch.Tensor, draft: torch.Tensor, width: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def next(self, length: torch.Tensor, ar: torch.Tensor, agreed: torch.Tensor) -> Proposal: ...
+
+    @abstractmethod
+    def timed_forward(self, reader: WindowReader, width: int):
+        """A callable running one verification forward of `width` on a scratch reader (as `verify` does)."""
+
+    def timed_drafting(self, rows: int):
+        """A callable running one drafting forward over `rows` rows on scratch state; None without one."""
+        return None
+
+    def width(self, proposal: Proposal) -> int:
+        return self.policy.width(proposal)
+
+    def keep_rows(self, stay: torch.Tensor) -> None:
+        pass
 
     def prepare_shapes(self) -> None:
-        for shape in (self.wide, self.narrow):
-            self.state.reader.prepare(shape.length, shape.length, shape)
+        pass
+
+    def costs(self) -> MeasuredCosts:
+        """What this call's forwards cost on this machine: measured the first time the model verifies with these
+        sources at this draft length and batch size, then kept (r2lm.generation.costs)."""
+        s = self.state
+        context = max(s.prompt_len, COST_CONTEXT)
+        room = max(self.widths) * (len(getattr(self, "outcomes", ())) + 1)
+
+        def forward(rows: int, width: int):
+            return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
+
+        key = (type(self).__name__, s.b, self.capture, tuple(getattr(self, "outcomes", ())),
+               id(getattr(self, "drafter", None)))
+        costs = kept_costs(s.model, key, lambda: MeasuredCosts(forward, measured_widths(max(self.widths))
+                                                               if len(self.widths) > 2 else list(self.widths),
+                                                               self.timed_drafting, s.device))
+        costs.measure(s.batch)
+        return costs
+
+    def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str) -> Proposal:
+        return Proposal(draft, confidence, torch.full((draft.shape[0],), self.sources.index(source), dtype=torch.long,
+                                                      device=draft.device))
+
+    def nothing(self) -> Proposal:
+        """No draft for any row (the next forward is an AR step unless a source drafts inside it)."""
+        s = self.state
+        draft = torch.full((len(s.rows), s.b), s.mask_id, dtype=torch.long, device=s.device)
+        return self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+
+
+class CleanDrafts(Drafts):
+    """Drafts made between forwards: the verification forward reads the clean columns alone, as many as the policy
+    chose (1, an AR step, when no row's draft is worth verifying)."""
+
+    def __init__(self, state, policy: Policy):
+        super().__init__(state, policy)
+        self.layouts = {w: verify_layout(w, [], state.device) for w in self.widths}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Every width; under compile=True only an AR step's and the whole draft's (each shape compiles once)."""
+        b = self.state.b
+        return (1, b) if self.state.r.caching.compile and b > 1 else tuple(range(1, b + 1))
+
+    def prepare_shapes(self) -> None:
+        for layout in self.layouts.values():
+            self.state.reader.prepare(layout.length, layout.length, layout)
 
     def verify(self, opener, draft, width):
         ids = torch.cat([opener, draft[:, : width - 1]], 1)
-        out = self.state.context.read_draft(ids, self.wide if width == self.state.b else self.narrow, self.capture)
+        out = self.state.context.read_draft(ids, self.layouts[width], self.capture)
         if not self.capture:
             return out
         logits, captured, head = out
         self.seen = (captured, head)
         return logits
 
-    def keep_rows(self, stay) -> None:
-        pass
+    def timed_forward(self, reader, width):
+        ids = torch.zeros(reader.cache.batch_size, width, dtype=torch.long, device=reader.cache.valid.device)
+        layout = verify_layout(width, [], ids.device)
+        return lambda: reader.read(ids, width, keep=slice(None), advance=False, layout=layout, capture=self.capture)
+
+    def looked_up(self) -> Proposal:
+        s = self.state
+        draft = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
+        return self.proposal(draft, (draft != s.mask_id).float(), "lookup")
 
 
 class LookupDrafts(CleanDrafts):
     """Prompt lookup: no model runs to draft."""
+
+    sources = ("lookup",)
 
     def first(self):
         return self.looked_up()
@@ -91,33 +189,25 @@ class LookupDrafts(CleanDrafts):
     def next(self, length, ar, agreed):
         return self.looked_up()
 
-    def looked_up(self):
-        s = self.state
-        draft = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
-        return draft, (draft != s.mask_id).float()
-
 
 class ModelDrafts(CleanDrafts):
     """A drafter model (r2lm.drafter) reading the target's outputs at its feature layers, captured by every
     verification forward: the committed columns' go into the drafter's context cache (as the target's keys go into
-    the target's), then it drafts from the new last committed token. The first forward appends the prompt and
-    takes AR's first token (no draft yet: the drafter needs the prompt's features)."""
+    the target's), then, where the policy finds it worth its forward, it drafts from the new last committed token.
+    The first forward appends the prompt and takes AR's first token (the drafter needs the prompt's features)."""
 
-    def __init__(self, state, drafter, lookup: bool = False):
-        super().__init__(state)
-        self.drafter, self.lookup = drafter.bind(state.model), lookup
+    def __init__(self, state, policy: Policy, drafter, lookup: bool = False):
+        self.drafter = drafter.bind(state.model)
+        self.sources = ("lookup", "drafter") if lookup else ("drafter",)
         self.capture = tuple(drafter.config.feature_layers)
+        super().__init__(state, policy)
         # the drafter's context grows by every column a forward reads (a row's uncommitted ones invalid), at most b
-        # per committed token, then a block's scratch
-        self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b)
+        # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b)
+        self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b
+                                           + drafter.config.block_size)
 
     def first(self):
-        s = self.state
-        if self.lookup:  # the prompt may already repeat itself
-            draft = lookup_draft(s.text, s.prompt_len + s.written, s.b, s.mask_id)
-        else:
-            draft = torch.full((s.batch, s.b), s.mask_id, dtype=torch.long, device=s.device)
-        return draft, (draft != s.mask_id).float()
+        return self.looked_up() if "lookup" in self.sources else self.nothing()
 
     def next(self, length, ar, agreed):
         s = self.state
@@ -126,58 +216,115 @@ class ModelDrafts(CleanDrafts):
         kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
         kept = kept < length[:, None]
         self.drafter.append(self.context, captured, kept if head is None else torch.cat([head, kept], 1))
+        free = self.looked_up() if "lookup" in self.sources else None
+        # (with lookup, the policy reads its drafts on the host: a second host read per iteration, in this mode only)
+        at_hand = None if free is None else free.host()
+        if not self.policy.worth("drafter", at_hand, len(s.rows)):
+            return free if free is not None else self.nothing()
         opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
-        copied = None
-        if self.lookup:  # a row whose text repeats itself copies it; the drafter drafts only if some row has no copy
-            copied = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
-            if bool((copied[:, 0] != s.mask_id).all()):  # (one more read of the host, in this mode only)
-                return copied, torch.ones_like(copied, dtype=torch.float)
-        draft = self.drafter.draft(self.context, opener)[:, : s.b]  # (a block_size below the drafter's: cut)
-        if draft.shape[1] < s.b:  # (above: [MASK] after the drafter's block)
-            draft = torch.cat([draft, draft.new_full((draft.shape[0], s.b - draft.shape[1]), s.mask_id)], 1)
-        if copied is not None:
-            draft = torch.where((copied[:, :1] != s.mask_id), copied, draft)
-        return draft, torch.ones_like(draft, dtype=torch.float)
+        draft, confidence = self.drafter.draft(self.context, opener, confidence=True)
+        drafted = self.proposal(*fit(draft, confidence, s.b, s.mask_id), "drafter")
+        return drafted if free is None else self.policy.choose([at_hand, drafted.host()]).to(s.device)
+
+    def timed_drafting(self, rows: int):
+        s, drafter = self.state, self.drafter
+        context = drafter.new_context(rows, max(s.prompt_len, COST_CONTEXT) + drafter.config.block_size)
+        hidden = drafter.config.target_hidden_size
+        captured = [torch.zeros(rows, max(s.prompt_len, COST_CONTEXT), hidden, dtype=s.model.dtype, device=s.device)
+                    for _ in self.capture]
+        drafter.append(context, captured, 1)
+        openers = torch.zeros(rows, dtype=torch.long, device=s.device)
+        return lambda: drafter.draft(context, openers, confidence=True)
 
     def keep_rows(self, stay) -> None:
         self.context.keep_rows(stay)
 
 
-class WindowDrafts:
-    """The model's own window: one forward verifies the draft and, for every way that verification can end, reads
-    the window that drafts what follows (r2lm.generation.verify's docstring has the arithmetic)."""
+def fit(draft: torch.Tensor, confidence: torch.Tensor, b: int, mask_id: int):
+    """A drafter's block cut to (or padded with [MASK] up to) the call's draft length b."""
+    if draft.shape[1] >= b:
+        return draft[:, :b], confidence[:, :b]
+    pad = b - draft.shape[1]
+    return (torch.cat([draft, draft.new_full((draft.shape[0], pad), mask_id)], 1),
+            torch.cat([confidence, confidence.new_zeros(confidence.shape[0], pad)], 1))
 
-    def __init__(self, state, windows: int | None):
-        self.state = state
+
+class WindowDrafts(Drafts):
+    """The model's own window: a wide forward verifies the draft and, for every way that verification can end,
+    reads the window that drafts what follows (r2lm.generation.verify's docstring has the arithmetic). Where the
+    policy finds the window not worth its wider forward, the step is a plain AR forward and drafts nothing."""
+
+    sources = ("window",)
+
+    def __init__(self, state, policy: Policy, windows: int | None):
+        super().__init__(state, policy)
         b = state.b
+        self.windows = windows
         self.outcomes = drafted_outcomes(b, windows)
         self.layout = verify_layout(b, self.outcomes, state.device)
+        self.narrow = verify_layout(1, [], state.device)
         self.openers = torch.tensor(self.outcomes, dtype=torch.long, device=state.device)
-        self.windows = torch.full((state.batch, len(self.outcomes), b), state.mask_id, dtype=torch.long,
-                                  device=state.device)  # window j: [t_j, [MASK] * (b - 1)]
         self.cols = torch.arange(b, device=state.device)
         self.h = None
+        self.wide = True  # the next forward reads the windows
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (1, self.state.b)
 
     def prepare_shapes(self) -> None:
         self.state.reader.prepare(self.layout.length, self.state.b, self.layout)
+        self.state.reader.prepare(1, 1, self.narrow)
 
     def first(self):
+        """The first window, read by the forward that appends the prompt; where the policy finds windows not worth
+        their cost, nothing: the first forward is then the prompt and an AR step."""
         s = self.state
-        window = torch.cat([s.input_ids[:, -1:], self.windows[:, 0, 1:]], 1)
-        return propose(s.context.read(0, window, s.b, clean=False), s.mask_id)
+        self.wide = self.policy.worth("window", None, len(s.rows))
+        if not self.wide:
+            return self.nothing()
+        window = torch.cat([s.input_ids[:, -1:], torch.full_like(s.input_ids[:, :1], s.mask_id).expand(-1, s.b - 1)], 1)
+        draft, confidence = propose(s.context.read(0, window, s.b, clean=False), s.mask_id)
+        return self.proposal(draft, confidence, "window")
+
+    def width(self, proposal):
+        return self.state.b if self.wide else 1
 
     def verify(self, opener, draft, width):
         s = self.state
+        if width == 1:
+            self.h = None
+            return s.context.read_draft(opener, self.narrow)
         t = torch.cat([opener, draft], 1)
-        self.windows[:, :, 0] = t[:, self.openers]
-        self.h = s.reader.read(torch.cat([t[:, : s.b], self.windows.flatten(1)], 1), s.b, keep=slice(None),
+        windows = torch.full((len(s.rows), len(self.outcomes), s.b), s.mask_id, dtype=torch.long, device=s.device)
+        windows[:, :, 0] = t[:, self.openers]  # window j: [t_j, [MASK] * (b - 1)]
+        self.h = s.reader.read(torch.cat([t[:, : s.b], windows.flatten(1)], 1), s.b, keep=slice(None),
                                advance=False, layout=self.layout, head=False)
         return s.model.lm_head(self.h[:, : s.b])
 
+    def timed_forward(self, reader, width):
+        model, rows = self.state.model, reader.cache.batch_size
+        device = reader.cache.valid.device
+        if width == 1:
+            ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            return lambda: reader.read(ids, 1, keep=slice(None), advance=False, layout=self.narrow)
+        ids = torch.zeros(rows, self.layout.length, dtype=torch.long, device=device)
+        b = self.state.b
+
+        def run():  # the forward, the clean columns' head and one window's (as verify and next apply them)
+            h = reader.read(ids, b, keep=slice(None), advance=False, layout=self.layout, head=False)
+            return model.lm_head(h[:, : 2 * b])
+
+        return run
+
     def next(self, length, ar, agreed):
         """The proposals of the latest drafted window opened at or before the row's accepted length k, from the first
-        uncommitted position on, [MASK] after them (only the chosen window goes through the LM head)."""
+        uncommitted position on, [MASK] after them (only the chosen window goes through the LM head); none after an
+        AR step."""
         s, b, h = self.state, self.state.b, self.h
+        self.wide = self.policy.worth("window", None, len(s.rows))
+        if h is None:
+            return self.nothing()
         source = (self.openers <= agreed[:, None]).sum(1) - 1
         chosen = (b * (source + 1))[:, None] + self.cols
         guess, confidence = propose(s.model.lm_head(h.gather(1, chosen[..., None].expand(-1, -1, h.shape[-1]))),
@@ -185,8 +332,13 @@ class WindowDrafts:
         ahead = (length - self.openers[source])[:, None] + self.cols  # window column of each next draft position
         inside = ahead < b  # (a row that is done has length 0: its draft is never read)
         ahead = ahead.clamp(0, b - 1)
-        return (torch.where(inside, guess.gather(1, ahead), s.mask_id),
-                torch.where(inside, confidence.gather(1, ahead), 0.0))
+        return self.proposal(torch.where(inside, guess.gather(1, ahead), s.mask_id),
+                             torch.where(inside, confidence.gather(1, ahead), 0.0), "window")
 
-    def keep_rows(self, stay) -> None:
-        self.windows = self.windows[stay]
+
+DRAFTS = {
+    "window": lambda state, policy, v: WindowDrafts(state, policy, v.windows),
+    "lookup": lambda state, policy, v: LookupDrafts(state, policy),
+    "drafter": lambda state, policy, v: ModelDrafts(state, policy, v.drafter),
+    "lookup+drafter": lambda state, policy, v: ModelDrafts(state, policy, v.drafter, lookup=True),
+}

@@ -55,11 +55,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from r2lm.generation.contexts import ExactCache
-from r2lm.generation.drafts import DRAFTS, LookupDrafts, ModelDrafts, WindowDrafts, drafted_outcomes
+from r2lm.generation.drafts import DRAFTS, drafted_outcomes
 from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
+from r2lm.generation.policy import Policy, Proposal, policy_of
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
 from r2lm.kind import ATTENTION
@@ -67,15 +69,17 @@ from r2lm.kind import ATTENTION
 
 @dataclass(frozen=True)
 class Verifying:
-    """verify=True and how it drafts: `draft` (DRAFTS), `windows` (window drafts: drafting windows per verification
-    forward, None: block_size + 1), `drafter` (an r2lm.drafter.Drafter for the model), `block_size` (the draft
-    length: the drafter's own unless block_size is given, never more than max_new_tokens)."""
+    """verify=True and how it drafts: `draft` (a name in r2lm.generation.drafts.DRAFTS), `windows` (window drafts:
+    drafting windows per verification forward, None: block_size + 1), `drafter` (an r2lm.drafter.Drafter for the
+    model), `block_size` (the draft length: the drafter's own unless block_size is given, never more than
+    max_new_tokens), `policy` (how much of each draft a step submits: r2lm.generation.policy)."""
 
     verify: bool = False
     windows: int | None = None
     draft: str = "window"
     drafter: object = None
     block_size: int = 0
+    policy: object = "adaptive"
 
     @classmethod
     def of(cls, options: dict, config, block_size: int, block_size_given: bool, max_new_tokens: int) -> Verifying:
@@ -89,7 +93,7 @@ class Verifying:
                                  f"got {windows!r}")
         draft = options.get("verify_draft") or ("lookup+drafter" if drafter is not None else "window")
         if draft not in DRAFTS:
-            raise ValueError(f"verify_draft must be one of {DRAFTS}, got {draft!r}")
+            raise ValueError(f"verify_draft must be one of {tuple(DRAFTS)}, got {draft!r}")
         if (draft != "window" or drafter is not None) and not verify:
             raise ValueError("verify_draft and drafter set how verify=True drafts; pass verify=True")
         if draft != "window" and windows is not None:
@@ -97,6 +101,10 @@ class Verifying:
         if ("drafter" in draft) != (drafter is not None):
             raise ValueError(f"verify_draft={draft!r} " + ("needs a drafter (drafter=...)" if drafter is None else
                              "does not use the drafter given: use verify_draft='drafter' or 'lookup+drafter'"))
+        policy = options.get("verify_policy", "adaptive")
+        if policy != "adaptive" and not verify:
+            raise ValueError("verify_policy sets how verify=True drafts; pass verify=True")
+        policy_of(policy)  # a name it knows, or a Policy
         if drafter is not None:
             # the drafts interface (r2lm.generation.drafts.ModelDrafts), as r2lm.drafter.Drafter implements it
             if not all(callable(getattr(drafter, name, None)) for name in ("check_target", "bind", "draft")):
@@ -107,7 +115,7 @@ class Verifying:
         if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
             block_size = max_new_tokens
             windows = None if windows is None else min(windows, block_size + 1)
-        return cls(verify, windows, draft, drafter, block_size)
+        return cls(verify, windows, draft, drafter, block_size, policy)
 
 
 def check_verifiable(config, r) -> None:
@@ -146,20 +154,14 @@ class Verification:
         self.reader = self.context.reader
 
 
-def drafts_of(state: Verification, v: Verifying):
-    if v.draft == "window":
-        return WindowDrafts(state, v.windows)
-    if v.draft == "lookup":
-        return LookupDrafts(state)
-    return ModelDrafts(state, v.drafter, lookup=v.draft == "lookup+drafter")
-
-
 def decode_verified(model, r) -> GenerateOutput:
     check_verifiable(model.config, r)
     v, ids = r.verifying, r.prompt.input_ids
-    b, window = v.block_size, v.draft == "window"
-    s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if window else b)
-    drafts = drafts_of(s, v)
+    b = v.block_size
+    policy: Policy = policy_of(v.policy)
+    s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if v.draft == "window" else b)
+    drafts = DRAFTS[v.draft](s, policy, v)
+    policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
     stopper.stream(ids)
@@ -171,21 +173,22 @@ def decode_verified(model, r) -> GenerateOutput:
     row_steps = torch.zeros((), dtype=torch.long, device=s.device)
     try:
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
-        draft, confidence = drafts.first()
-        width = b if window or bool((draft != r.mask_id).any()) else 1  # the forward's clean columns
+        proposal = drafts.first()
+        seen = proposal.host()  # what the policy reads of it
+        width = drafts.width(seen)
         while True:
-            draft, confidence = draft[:, :width], confidence[:, :width]
+            draft, confidence = proposal.draft, proposal.confidence
             logits = drafts.verify(opener, draft, width)
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
-            agrees = (draft == ar).long().cumprod(1)
+            agrees = (draft[:, :width] == ar).long().cumprod(1)
             agreed = agrees.sum(1)  # each row's accepted draft length k
             live = ~done[s.rows]
             length = torch.where(live, (agreed + 1).clamp(max=width), 0)  # tokens each row commits: ar[:, :length]
             row_steps += live.sum()
             if r.step_callback is not None:
-                seen = ((torch.ones_like(draft, dtype=torch.bool), 0), (draft, r.mask_id), (confidence, 0),
-                        (agrees.bool(), 0), (logits, 0))  # (masked, proposals, confidence, accepted, logits)
-                r.step_callback(StepInfo(iterations, s.written.clone(), *(spread(x, s.rows, s.batch, f) for x, f in seen)))
+                shown = ((torch.ones_like(ar, dtype=torch.bool), 0), (draft[:, :width], r.mask_id),
+                         (confidence[:, :width], 0), (agrees.bool(), 0), (logits, 0))
+                r.step_callback(StepInfo(iterations, s.written.clone(), *(spread(x, s.rows, s.batch, f) for x, f in shown)))
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
             kept = cols[:width] < length[:, None]
             # [MASK] after a row's commit (no EOS is read there), and for the rows that left
@@ -195,11 +198,17 @@ def decode_verified(model, r) -> GenerateOutput:
             s.written.index_add_(0, s.rows, length)
             iterations += 1
             done = stopper.finished | (s.written >= s.n)
-            draft, confidence = drafts.next(length, ar, agreed)
-            drafted = torch.ones((), dtype=torch.bool) if window else ((draft != r.mask_id) & ~done[s.rows, None]).any()
-            # the one host sync of an iteration
-            widest, over, left, any_draft = torch.stack([length.max(), done.all(), done[s.rows].any(),
-                                                         drafted.to(s.device)]).tolist()
+            following = drafts.next(length, ar, agreed)
+            # the one host sync of an iteration: its outcome, and the next proposal for the policy
+            rows = len(s.rows)
+            outcome = np.asarray(torch.cat([torch.stack([length.max(), done.all(), done[s.rows].any()]).double(),
+                                            agreed.double(), following.draft.flatten().double(),
+                                            following.confidence.flatten().double(), following.source.double()]).tolist())
+            widest, over, left = (int(x) for x in outcome[:3])
+            policy.observe(seen, width, outcome[3 : 3 + rows].astype(np.int64))
+            at = 3 + rows + rows * b
+            seen = Proposal(outcome[3 + rows : at].astype(np.int64).reshape(rows, b),
+                            outcome[at : at + rows * b].reshape(rows, b), outcome[at + rows * b :].astype(np.int64))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, s.n, s.written.clamp(max=s.n)).min())
@@ -210,12 +219,18 @@ def decode_verified(model, r) -> GenerateOutput:
                 over, left = torch.stack([done.all(), done[s.rows].any()]).tolist()
             if over:
                 break
-            if left and leave:
+            proposal = following
+            if left:
                 stay = ~done[s.rows]
-                s.rows, draft, confidence, opener = (x[stay] for x in (s.rows, draft, confidence, opener))
-                s.reader.keep_rows(stay)
-                drafts.keep_rows(stay)
-            width = b if any_draft else 1
+                staying = np.asarray(stay.tolist())
+                if leave:
+                    s.rows, opener, proposal, seen = s.rows[stay], opener[stay], proposal.rows(stay), seen.rows(staying)
+                    s.reader.keep_rows(stay)
+                    drafts.keep_rows(stay)
+                    policy.keep_rows(staying)
+                else:  # (compile=True) a row that is done stays, and submits nothing
+                    seen.draft[~staying] = r.mask_id
+            width = drafts.width(seen)
     finally:
         s.context.close()
     stopper.end()

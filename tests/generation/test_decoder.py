@@ -205,12 +205,13 @@ def test_compiled_step_equals_eager():
     eager = generate(model, ids, mask, max_new_tokens=12, block_size=6, threshold=0.6)
     compiled = generate(model, ids, mask, max_new_tokens=12, block_size=6, threshold=0.6, compile=True)
     assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
-    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True)  # its own forward shapes
-    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, compile=True)
+    whole = dict(verify=True, verify_policy="longest")  # (the same choices in both: forwards are counted)
+    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, **whole)  # its own forward shapes
+    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, compile=True, **whole)
     assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
-    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, verify_draft="lookup")
-    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify=True, verify_draft="lookup",
-                        compile=True)
+    eager = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify_draft="lookup", **whole)
+    compiled = generate(model, ids, mask, max_new_tokens=12, block_size=3, verify_draft="lookup", compile=True,
+                        **whole)
     assert torch.equal(compiled.sequences, eager.sequences) and compiled.nfe == eager.nfe
 
 
@@ -288,8 +289,9 @@ def test_a_verify_draft_longer_than_max_new_tokens_is_cut_to_it():
     is cut to 5 (same output: verify's is the greedy AR text whatever the draft)."""
     model = peaky(**R2LM)
     ids, mask = left_padded(pads=(0, 3))
-    want = generate(model, ids, mask, max_new_tokens=5, block_size=5, verify=True)
-    got = generate(model, ids, mask, max_new_tokens=5, block_size=600, verify=True, verify_windows=601)
+    want = generate(model, ids, mask, max_new_tokens=5, block_size=5, verify=True, verify_policy="longest")
+    got = generate(model, ids, mask, max_new_tokens=5, block_size=600, verify=True, verify_windows=601,
+                   verify_policy="longest")
     assert torch.equal(got.sequences, want.sequences) and got.nfe == want.nfe
 
 

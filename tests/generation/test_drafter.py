@@ -81,7 +81,8 @@ def test_a_trained_drafter_is_accepted_whole_in_part_and_not_at_all(converted):
         prompt = torch.randint(0, MASK_ID - 1, (1, 6), generator=torch.Generator().manual_seed(100 + seed))
         accepted = []
         out = generate(target, prompt, max_new_tokens=24, verify=True, drafter=drafter, verify_draft="drafter",
-                       eos_token_id=[], step_callback=lambda info, seen=accepted: seen.append(int(info.accepted.sum())))
+                       verify_policy="longest", eos_token_id=[],
+                       step_callback=lambda info, seen=accepted: seen.append(int(info.accepted.sum())))
         greedy = hf.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert torch.equal(out.sequences, greedy)
         assert out.nfe == len(accepted)

@@ -28,6 +28,9 @@ def converted(request, tmp_path_factory):
 
 
 LOOKUP = dict(verify_draft="lookup")
+# every draft submitted whole (r2lm.generation.policy.Longest): what the tests of the verification mechanics count
+# forwards and accepted lengths under; the default policy may submit less, never changing the output
+WHOLE = dict(verify_policy="longest")
 
 
 @pytest.mark.parametrize("block_size,new_tokens,options", [(4, 24, {}), (5, 23, {}), (8, 13, {}), (1, 6, {}),
@@ -116,7 +119,7 @@ def accepted_lengths(model, prompt, **options) -> tuple[torch.Tensor, list[int]]
     """verify=True's output for `prompt`, and each verification forward's accepted draft length."""
     seen = []
     out = generate(model, prompt, verify=True, eos_token_id=[], step_callback=lambda info: seen.append(
-        int(info.accepted.sum())), **options)
+        int(info.accepted.sum())), **WHOLE, **options)
     return out, seen
 
 
@@ -141,7 +144,7 @@ def test_every_draft_is_the_window_read_at_the_committed_text(cycle_drafter, b, 
 
         with torch.no_grad():
             out = generate(cycle_drafter, prompt, max_new_tokens=20, block_size=b, verify=True,
-                           verify_windows=windows, eos_token_id=[], step_callback=note)
+                           verify_windows=windows, eos_token_id=[], step_callback=note, **WHOLE)
             text, p = out.sequences, prompt.shape[1]
             expected = window_proposals(cycle_drafter, text, p - 1, b)  # the first draft: opened by the prompt
             for i, (start, draft, k) in enumerate(seen):
@@ -180,7 +183,7 @@ def paced(cycle_drafter):
     seen = []
     for prompt in candidate_prompts(10):
         steps = [generate(cycle_drafter, prompt, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[],
-                          **options).steps for options in ({}, LOOKUP)]
+                          **WHOLE, **options).steps for options in ({}, LOOKUP)]
         for other, other_steps in seen:
             if all(a < b for a, b in zip(steps, other_steps, strict=True)):
                 return prompt, other
@@ -206,10 +209,10 @@ def test_each_row_commits_its_own_accepted_length(cycle_drafter, paced):
     """In a batch, a row whose drafts are accepted is not held to the pace of one whose drafts are rejected: each
     row takes as many verification forwards as it takes alone, and the batch as many as its slowest row."""
     good, poor = paced
-    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
+    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **WHOLE)
              for p in (good, poor)]
     both = generate(cycle_drafter, torch.cat([good, poor]), max_new_tokens=24, block_size=4, verify=True,
-                    eos_token_id=[])
+                    eos_token_id=[], **WHOLE)
     assert alone[0].steps < alone[1].steps  # the case under test: the rows accept at different rates
     assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
     assert both.row_steps == alone[0].steps + alone[1].steps
@@ -220,13 +223,13 @@ def test_finished_rows_leave_the_forward(cycle_drafter, paced):
     """Once a row has all its tokens it leaves the cache and the forwards (they compute only the rows still
     decoding), and the rows that stay decode exactly as before."""
     good, poor = paced
-    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[])
+    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **WHOLE)
              for p in (poor, good)]
     rows = []
     hook = cycle_drafter.model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     try:
         both = generate(cycle_drafter, torch.cat([poor, good]), max_new_tokens=24, block_size=4, verify=True,
-                        eos_token_id=[])
+                        eos_token_id=[], **WHOLE)
     finally:
         hook.remove()
     assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
@@ -261,7 +264,7 @@ def test_lookup_drafts_commit_repeated_text_several_tokens_per_forward():
     widths = []
     hook = model.model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
     try:
-        out = generate(model, prompt, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP)
+        out = generate(model, prompt, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP, **WHOLE)
     finally:
         hook.remove()
     assert torch.equal(out.sequences, ar.sequences)
@@ -283,7 +286,7 @@ def test_a_lookup_forward_without_drafts_is_one_column():
     widths, starts = [], []
     hook = model.model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
     try:
-        out = generate(model, ids, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP,
+        out = generate(model, ids, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP, **WHOLE,
                        step_callback=lambda info: starts.append(info.start.tolist()))
     finally:
         hook.remove()
@@ -313,7 +316,7 @@ def test_only_committed_tokens_are_valid_in_the_cache(cycle_drafter, paced, monk
     monkeypatch.setattr(verify, "ExactCache", Recorded)
     good, poor = paced
     out = generate(cycle_drafter, torch.cat([poor, good]), max_new_tokens=24, block_size=4, verify=True,
-                   eos_token_id=[], **options)
+                   eos_token_id=[], **WHOLE, **options)
     cache = contexts[0].reader.cache
     assert cache.batch_size == 1  # the fast row left
     text = out.sequences[:1, :-1]  # every committed token but the last has been fed back
@@ -344,15 +347,19 @@ def test_verify_refuses_what_it_cannot_verify():
             generate(tiny_r2lm(), ids, **options)
 
 
+@pytest.mark.parametrize("policy", ["longest", "adaptive"])
 @pytest.mark.parametrize("options", [{}, dict(verify_windows=2), LOOKUP])
-def test_an_iteration_synchronises_with_the_host_once(options):
-    """Beyond the one planned read of an iteration's outcome (`tolist`, which the counter does not see), nothing in a
-    verification iteration waits for the device: the counted synchronisations do not grow with the iterations
-    (a sidecar reading several windows used to select their columns with a boolean mask, four per forward here)."""
+def test_an_iteration_synchronises_with_the_host_once(options, policy):
+    """Beyond the one planned read of an iteration's outcome (`tolist`, which the counter does not see, and which
+    also brings the policy what it decides from), nothing in a verification iteration waits for the device: the
+    counted synchronisations do not grow with the iterations (a sidecar reading several windows used to select
+    their columns with a boolean mask, four per forward here)."""
     from eval.step_cost import OpCounter
 
     model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3])
     ids = torch.randint(0, MASK_ID - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    options = dict(options, verify_policy=policy)
+    generate(model, ids, max_new_tokens=4, block_size=4, verify=True, eos_token_id=[], **options)  # costs measured
     counted = []
     for n in (12, 36):
         counter = OpCounter()

@@ -1,0 +1,271 @@
+"""How much each row drafts at each step of verified decoding, and from which source: never slower than AR.
+
+A draft pays only where it is accepted often enough to cover what it costs: on a 2-core CPU a forward that verifies
+7 draft tokens costs about 1.4 AR steps at batch 1 and 2 at batch 8, and a drafter's own forward a third of one.
+So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
+
+- acceptance, per draft source: the share of submitted tokens accepted, by the source's confidence in the token
+  (10 buckets, shared by the rows and kept for the model across calls) and per row (this call's running rate,
+  which scales the buckets' estimate): q = estimated probability that a token is accepted, given that the ones
+  before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
+  on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
+- cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
+  and D(R), a drafter forward's.
+
+Each step it takes the forward width w maximising committed tokens per second, sum_r E_r(w - 1) / C(R, w): w = 1
+is a plain AR step. Each row submits its draft up to that width (a row with a shorter draft submits fewer: the
+forward is one width for the batch), from the source whose draft promises more (lookup or the drafter). Before
+paying for the drafter's forward it checks that the drafts it expects from it (at the rows' running rates) raise
+committed tokens per second by more than D costs. The window source (R2LM's own window) drafts inside a wider
+forward: it is paid for by that forward's extra cost, and used while its expected tokens per second beat AR's.
+
+A source the estimates rule out is still tried now and then (a probe), or its estimate could never recover: every
+n-th step, n chosen so that probing costs at most PROBE_BUDGET of an AR step's time.
+
+What is committed never depends on these choices: every verification commits the target's own greedy tokens
+(r2lm.generation.verify). `verify_policy="longest"` always submits the whole draft (the behaviour before this
+policy), and a Policy subclass may decide otherwise (tests force AR steps, the longest drafts, or alternate them).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from r2lm.generation.costs import StepCosts
+
+BUCKETS = 10  # confidence buckets of a source's acceptance estimate
+PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts of a bucket never observed: an even chance
+SOURCE_DECAY = 0.995  # per observed step: a source's buckets follow a drifting text slowly
+ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
+ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
+PROBE_BUDGET = 0.02  # probing a source the estimates rule out costs at most this share of AR time
+MAX_Q = 0.99
+
+
+@dataclass
+class Proposal:
+    """The next draft of every row still decoding: draft [R, b] token ids ([MASK] where none), confidence [R, b]
+    (the source's own, in [0, 1]), source [R] (index into the call's `sources` names). On the device as torch
+    tensors; what the policy reads, on the host as numpy arrays (`host`): the policy's arithmetic never waits
+    for the device."""
+
+    draft: torch.Tensor | np.ndarray
+    confidence: torch.Tensor | np.ndarray
+    source: torch.Tensor | np.ndarray
+
+    def host(self) -> Proposal:
+        return Proposal(*(np.asarray(x.tolist(), dtype=dtype) for x, dtype in
+                          ((self.draft, np.int64), (self.confidence, np.float64), (self.source, np.int64))))
+
+    def to(self, device) -> Proposal:
+        return Proposal(*(torch.as_tensor(x, device=device) for x in (self.draft, self.confidence, self.source)))
+
+    def rows(self, keep) -> Proposal:
+        return Proposal(self.draft[keep], self.confidence[keep], self.source[keep])
+
+
+class Policy(ABC):
+    """Decides each step's forward width and the rows' drafts, on the host (`Proposal.host`). `start` is called
+    once per generate() call."""
+
+    needs_costs = False  # whether `start` needs the measured costs of the call's forwards
+
+    def start(self, sources: tuple[str, ...], widths: tuple[int, ...], costs: StepCosts | None, mask_id: int,
+              model=None) -> None:
+        self.sources, self.widths, self.costs, self.mask_id = sources, widths, costs, mask_id
+
+    def choose(self, candidates: list[Proposal]) -> Proposal:
+        """One draft per row among several sources' (host; each [MASK] where it has none): by default the first
+        that has one (lookup before the drafter)."""
+        out = candidates[0]
+        for other in candidates[1:]:
+            take = out.draft[:, 0] == self.mask_id
+            out = Proposal(np.where(take[:, None], other.draft, out.draft),
+                           np.where(take[:, None], other.confidence, out.confidence), np.where(take, other.source, out.source))
+        return out
+
+    def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
+        """Whether to pay for `source`'s drafting this step (the drafter's forward, the window's wider forward);
+        `free`: the drafts at hand without it (host; None: none)."""
+        return True
+
+    @abstractmethod
+    def width(self, proposal: Proposal) -> int:
+        """The next forward's width (1 .. b: it verifies the first `width` draft tokens of each row and commits at
+        most `width` tokens; 1 is an AR step)."""
+
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray) -> None:
+        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`."""
+
+    def keep_rows(self, stay: np.ndarray) -> None:
+        """Rows that finished leave."""
+
+
+class Longest(Policy):
+    """Every draft whole: the widest forward whenever some row has a draft (before run-time decisions existed)."""
+
+    def width(self, proposal: Proposal) -> int:
+        return self.widths[-1] if bool((proposal.draft != self.mask_id).any()) else 1
+
+
+class Acceptance:
+    """A draft source's acceptance estimate by confidence bucket, kept for a model across calls."""
+
+    def __init__(self):
+        self.accepted = np.full(BUCKETS, PRIOR[0])
+        self.tried = np.full(BUCKETS, PRIOR[1])
+
+    @staticmethod
+    def bucket(confidence: np.ndarray) -> np.ndarray:
+        return np.minimum((np.clip(confidence, 0, 1) * BUCKETS).astype(np.int64), BUCKETS - 1)
+
+    def q(self, confidence: np.ndarray) -> np.ndarray:
+        return (self.accepted / self.tried)[self.bucket(confidence)]
+
+    def rate(self) -> float:
+        """The source's acceptance rate over every bucket's observations (its prior mean when none)."""
+        seen = float((self.tried - PRIOR[1]).sum())
+        return float((self.accepted - PRIOR[0]).sum()) / seen if seen > 0 else PRIOR[0] / PRIOR[1]
+
+    def update(self, confidence: np.ndarray, accepted: np.ndarray) -> None:
+        self.accepted = (self.accepted - PRIOR[0]) * SOURCE_DECAY + PRIOR[0]
+        self.tried = (self.tried - PRIOR[1]) * SOURCE_DECAY + PRIOR[1]
+        index = self.bucket(confidence)
+        np.add.at(self.accepted, index, accepted.astype(np.float64))
+        np.add.at(self.tried, index, 1.0)
+
+
+_ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {source: Acceptance}
+
+
+class Adaptive(Policy):
+    """Committed tokens per second, from measured acceptance and measured costs (the module docstring)."""
+
+    def __init__(self, costs: StepCosts | None = None):
+        self.scripted = costs  # costs said rather than measured (r2lm.generation.costs.ScriptedCosts)
+        self.needs_costs = costs is None
+
+    def start(self, sources, widths, costs, mask_id, model=None) -> None:
+        super().start(sources, widths, self.scripted or costs, mask_id, model)
+        kept = _ACCEPTANCE.setdefault(model, {}) if model is not None else {}
+        self.estimates = {name: kept.setdefault(name, Acceptance()) for name in sources}
+        self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
+        self.idle = dict.fromkeys(sources, 0)  # steps since a costly source was last used
+
+    # --------------------------------------------------------------------------------------------- estimates
+
+    def _rows(self, rows: int) -> None:
+        if self.row_accepted is None:
+            self.row_accepted = np.zeros((rows, len(self.sources)))
+            self.row_tried = np.zeros((rows, len(self.sources)))
+
+    def row_rate(self, source: int) -> np.ndarray:
+        """[R]: each row's running acceptance rate of a source, drawn towards the source's own rate."""
+        overall = self.estimates[self.sources[source]].rate()
+        return (self.row_accepted[:, source] + ROW_PRIOR * overall) / (self.row_tried[:, source] + ROW_PRIOR)
+
+    def q(self, proposal: Proposal) -> np.ndarray:
+        """[R, b]: each draft token's estimated acceptance given the ones before it (0 at [MASK])."""
+        self._rows(proposal.draft.shape[0])
+        q = np.zeros(proposal.draft.shape)
+        for index, name in enumerate(self.sources):
+            rows = proposal.source == index
+            if rows.any():
+                estimate = self.estimates[name]
+                scale = self.row_rate(index)[rows] / max(estimate.rate(), 1e-6)
+                q[rows] = np.clip(estimate.q(proposal.confidence[rows]) * scale[:, None], 0, MAX_Q)
+        return q * (proposal.draft != self.mask_id)
+
+    @staticmethod
+    def expected(q: np.ndarray) -> np.ndarray:
+        """[R, b + 1]: tokens each row commits on average at width k + 1, i.e. submitting its first k tokens and
+        committing at most k + 1 (k = 0 .. b)."""
+        return np.concatenate([np.ones((q.shape[0], 1)), 1 + np.cumsum(np.cumprod(q, 1), 1)], 1)
+
+    def best(self, expected: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
+        """(width, committed tokens per second) maximising the rate, `extra` seconds paid on top of the forward."""
+        rows = expected.shape[0]
+        rates = {w: float(expected[:, min(w - 1, expected.shape[1] - 1)].sum()) / (self.costs.verify(rows, w) + extra)
+                 for w in self.widths}
+        width = max(rates, key=lambda w: (rates[w], -w))
+        return width, rates[width]
+
+    def probe_due(self, source: str, rows: int) -> bool:
+        """Every n-th step a source the estimates rule out is tried, n such that trying it costs at most
+        PROBE_BUDGET of the AR time in between."""
+        ar = self.costs.verify(rows, 1)
+        extra = max(self.costs.verify(rows, self.widths[-1]) + self.costs.draft(rows) - ar, 0.0)
+        return self.idle[source] >= math.ceil(extra / (PROBE_BUDGET * ar))
+
+    # --------------------------------------------------------------------------------------------- decisions
+
+    def choose(self, candidates: list[Proposal]) -> Proposal:
+        """Per row, the candidate whose draft promises more committed tokens at the widest forward."""
+        out, value = candidates[0], self.expected(self.q(candidates[0]))[:, -1]
+        for other in candidates[1:]:
+            mine = self.expected(self.q(other))[:, -1]
+            take = mine > value
+            out = Proposal(np.where(take[:, None], other.draft, out.draft),
+                           np.where(take[:, None], other.confidence, out.confidence), np.where(take, other.source, out.source))
+            value = np.maximum(value, mine)
+        return out
+
+    def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
+        self._rows(rows)
+        index, b = self.sources.index(source), self.widths[-1]
+        ours = np.broadcast_to(np.minimum(self.row_rate(index), MAX_Q)[:, None], (rows, b))
+        without = self.expected(np.zeros((rows, b)) if free is None else self.q(free)[:, :b])
+        drafting = self.costs.draft(rows)
+        if drafting > 0:  # a drafter: its forward, then each row takes the better draft
+            with_it = self.best(np.maximum(without, self.expected(ours)), extra=drafting)[1]
+        else:  # the window: a forward as wide as the block, every step
+            with_it = float(self.expected(ours)[:, b - 1].sum()) / self.costs.verify(rows, b)
+        use = with_it > self.best(without)[1] or self.probe_due(source, rows)
+        self.idle[source] = 0 if use else self.idle[source] + 1
+        return use
+
+    def width(self, proposal: Proposal) -> int:
+        if len(self.widths) == 1:
+            return self.widths[0]
+        return self.best(self.expected(self.q(proposal)))[0]
+
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray) -> None:
+        self._rows(proposal.draft.shape[0])
+        # a forward of width w compares w draft tokens with AR's (it commits at most w tokens: the w-th one's
+        # acceptance adds none, but is seen)
+        real = np.cumprod(proposal.draft[:, :width] != self.mask_id, 1)
+        submitted = real.sum(1)  # each row's leading draft tokens inside the forward
+        tried = np.minimum(submitted, agreed + 1)  # tokens verification looked at: the accepted, the first refused
+        positions = np.arange(width)
+        looked = positions[None, :] < tried[:, None]
+        for index, name in enumerate(self.sources):
+            rows = (proposal.source == index) & (submitted > 0)
+            if not rows.any():
+                continue
+            seen = looked & rows[:, None]
+            self.estimates[name].update(proposal.confidence[:, :width][seen], (positions[None, :] < agreed[:, None])[seen])
+            decay = np.where(rows, ROW_DECAY, 1.0)
+            self.row_accepted[:, index] = self.row_accepted[:, index] * decay + np.where(rows, agreed, 0)
+            self.row_tried[:, index] = self.row_tried[:, index] * decay + np.where(rows, tried, 0)
+
+    def keep_rows(self, stay: np.ndarray) -> None:
+        if self.row_accepted is not None:
+            self.row_accepted, self.row_tried = self.row_accepted[stay], self.row_tried[stay]
+
+
+POLICIES = {"adaptive": Adaptive, "longest": Longest}
+
+
+def policy_of(value) -> Policy:
+    """`verify_policy`: a name in POLICIES, or a Policy (a new object per call: it keeps per-call state)."""
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str) and value in POLICIES:
+        return POLICIES[value]()
+    raise ValueError(f"verify_policy must be one of {tuple(POLICIES)} or an r2lm.generation.policy.Policy, got {value!r}")

@@ -1,0 +1,217 @@
+"""The run-time policy of verify=True (r2lm.generation.policy): whatever it decides, the output is transformers'
+greedy output; it takes AR steps where drafting costs more than it brings and whole drafts where a perfect drafter is
+cheap; every length works with every draft source (issue 40 item 1: max_new_tokens=1 and block_size=1 crashed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from r2lm import generate
+from r2lm.drafter import Drafter, DrafterConfig
+from r2lm.generation.costs import ScriptedCosts, interpolate, measured_widths
+from r2lm.generation.policy import Adaptive, Longest, Policy, Proposal
+from tests.helpers.decoding import left_padded
+from tests.helpers.models import tiny_conversion, tiny_r2lm, tiny_tokenizer
+
+SOURCES = ["window", "lookup", "drafter", "lookup+drafter"]
+
+
+class AlwaysAR(Policy):
+    def worth(self, source, free, rows):
+        return False
+
+    def width(self, proposal):
+        return 1
+
+
+class Alternating(Policy):
+    """AR steps and whole drafts in turn, and a drafter or window paid for every other step."""
+
+    def start(self, *args, **kwargs):
+        super().start(*args, **kwargs)
+        self.steps = self.asked = 0
+
+    def worth(self, source, free, rows):
+        self.asked += 1
+        return self.asked % 2 == 1
+
+    def width(self, proposal):
+        self.steps += 1
+        return self.widths[-1] if self.steps % 2 else 1
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(transformers model, its R2LM conversion without sidecars, an untrained drafter for it)."""
+    hf, target = tiny_conversion(tmp_path_factory.mktemp("policy"), "qwen3", sidecar_layers=[])
+    torch.manual_seed(1)
+    return hf, target, Drafter(DrafterConfig.for_target(target.config, block_size=4)).eval()
+
+
+def options_of(source, drafter):
+    return dict(verify_draft=source, **({"drafter": drafter} if "drafter" in source else {}))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("policy", [AlwaysAR, Longest, Alternating, Adaptive])
+def test_no_policy_changes_the_output(converted, source, policy):
+    """Forced choices (every step AR, every draft whole, the two alternating) and the measured policy: each gives
+    transformers' greedy output, over a left-padded batch, with and without an EOS that stops a row early."""
+    hf, target, drafter = converted
+    ids, mask = left_padded()
+    ids[:, -4:] = ids[:, 2:6]  # a repeated span: lookup has something to copy
+    greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = generate(target, ids, mask, max_new_tokens=19, block_size=4, verify=True, eos_token_id=[], pad_token_id=0,
+                   verify_policy=policy(), **options_of(source, drafter))
+    assert torch.equal(out.sequences, greedy)
+    eos = int(greedy[0, ids.shape[1] + 5])  # a token row 0 writes (its 6th)
+    stopped = hf.generate(ids, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    out = generate(target, ids, mask, max_new_tokens=19, block_size=4, verify=True, eos_token_id=eos, pad_token_id=0,
+                   verify_policy=policy(), **options_of(source, drafter))
+    assert torch.equal(out.sequences, stopped[:, : out.sequences.shape[1]])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("policy", [AlwaysAR, Alternating, Adaptive])
+def test_no_policy_changes_where_a_stop_string_stops(source, policy):
+    tok = tiny_tokenizer()
+    target = tiny_r2lm(vocab_size=len(tok) + 1, mask_token_id=len(tok), sidecar_layers=[])
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30)
+    drafter = Drafter(DrafterConfig.for_target(target.config, block_size=4)).eval()
+    prompt = tok("the quick brown", return_tensors="pt").input_ids
+    ar = generate(target, prompt, max_new_tokens=16, block_size=1, eos_token_id=[])
+    stop = tok.decode(ar.sequences[0, prompt.shape[1]:])[4:7]
+    want = generate(target, prompt, max_new_tokens=16, block_size=1, eos_token_id=[], tokenizer=tok, stop_strings=[stop])
+    out = generate(target, prompt, max_new_tokens=16, block_size=4, verify=True, eos_token_id=[], tokenizer=tok,
+                   stop_strings=[stop], verify_policy=policy(), **options_of(source, drafter))
+    assert torch.equal(out.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("policy", [Longest, Adaptive])
+def test_every_length_with_every_draft_source(converted, batch, source, policy):
+    """max_new_tokens 1, 2, b - 1, b, b + 1 for drafts of 1, 2 and 4 (the drafter's own block is 4: shorter drafts
+    cut it), and a prompt shorter than a block: AR's output, no crash."""
+    hf, target, drafter = converted
+    ids, mask = left_padded(batch=batch)
+    for b in (1, 2, 4):
+        for n in sorted({1, 2, max(b - 1, 1), b, b + 1}):
+            want = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+            out = generate(target, ids, mask, max_new_tokens=n, block_size=b, verify=True, eos_token_id=[],
+                           pad_token_id=0, verify_policy=policy(), **options_of(source, drafter))
+            assert torch.equal(out.sequences, want), (b, n)
+    short = ids[:1, -1:]
+    for n in (1, 3, 9):
+        want = hf.generate(short, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+        out = generate(target, short, max_new_tokens=n, verify=True, eos_token_id=[], verify_policy=policy(),
+                       **options_of(source, drafter))
+        assert torch.equal(out.sequences, want), n
+
+
+class OracleDrafter(Drafter):
+    """A perfect drafter (a test oracle): it drafts the target's own greedy continuation, known beforehand, from the
+    number of tokens its context says are committed, with full confidence."""
+
+    def draft(self, context, openers, confidence=False):
+        b = self.config.block_size
+        at = context.kv.next_position[:, None] + 1 + torch.arange(b)  # the tokens after the opener
+        ids = self.continuation.gather(1, at.clamp(max=self.continuation.shape[1] - 1))
+        return (ids, torch.ones(ids.shape)) if confidence else ids
+
+
+def widths_of(target, ids, n, **options):
+    widths, accepted = [], []
+
+    def note(info):
+        widths.append(info.proposals.shape[1])
+        accepted.append(info.accepted.sum(1).tolist())
+
+    out = generate(target, ids, max_new_tokens=n, verify=True, eos_token_id=[], step_callback=note, **options)
+    return out, widths, accepted
+
+
+def test_expensive_drafting_makes_every_step_an_ar_step(converted):
+    """A scripted cost where each verified draft token costs 10 AR steps and a drafter forward 100: every step is a
+    plain AR step (one column), for the oracle drafter and for lookup, and no probe is due within the call."""
+    hf, target, drafter = converted
+    ids = left_padded(batch=1)[0]
+    greedy = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    oracle = OracleDrafter(drafter.config).eval()
+    oracle.continuation = greedy
+    costly = ScriptedCosts(verify=lambda rows, width: 1.0 + 10 * (width - 1), draft=lambda rows: 100.0)
+    for options in (dict(verify_draft="drafter", drafter=oracle), dict(verify_draft="lookup+drafter", drafter=oracle),
+                    dict(verify_draft="lookup"), dict(verify_draft="window")):
+        out, widths, _ = widths_of(target, ids, 24, block_size=4, verify_policy=Adaptive(costly), **options)
+        assert torch.equal(out.sequences, greedy)
+        assert widths == [1] * 24 and out.nfe == 24, (options["verify_draft"], widths)
+
+
+def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
+    """The oracle drafter under a scripted cost where width is nearly free: after the first forward (which appends
+    the prompt and has no draft yet) every forward verifies the whole block and accepts all of it."""
+    hf, target, drafter = converted
+    ids = left_padded(batch=1)[0]
+    greedy = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    oracle = OracleDrafter(drafter.config).eval()
+    oracle.continuation = greedy
+    cheap = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.01 * (width - 1), draft=lambda rows: 0.05)
+    out, widths, accepted = widths_of(target, ids, 24, drafter=oracle, verify_draft="drafter", block_size=4,
+                                      verify_policy=Adaptive(cheap))
+    assert torch.equal(out.sequences, greedy)
+    assert widths[0] == 1 and widths[1:] == [4] * (len(widths) - 1)
+    assert [a[0] for a in accepted[1:-1]] == [4] * (len(accepted) - 2)  # (the last one may be cut by max_new_tokens)
+    assert out.nfe == 1 + -(-23 // 4)
+
+
+def test_the_policy_drafts_where_acceptance_pays_and_stops_where_confidence_falls():
+    """The arithmetic behind the choices, on scripted costs: the width maximising expected committed tokens per
+    second, a draft cut where its estimated acceptance falls, a costly drafter run only where it pays."""
+    policy = Adaptive(ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1), draft=lambda rows: 0.5))
+    policy.start(("lookup", "drafter"), (1, 2, 3, 4), None, mask_id=99)
+    sure, unsure = 0.95, 0.05
+    for _ in range(50):  # what was seen: confident drafter tokens accepted, unconfident ones refused
+        seen = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure, sure, unsure, unsure]]), np.array([1]))
+        policy.observe(seen, 4, np.array([2]))
+    confident = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure] * 4]), np.array([1]))
+    falling = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure, sure, unsure, unsure]]), np.array([1]))
+    assert policy.width(confident) == 4
+    assert policy.width(falling) == 3  # the third token is worth little: committing 3 at most costs less
+    assert policy.width(Proposal(np.array([[99] * 4]), np.zeros((1, 4)), np.array([0]))) == 1  # no draft: AR
+    assert policy.worth("drafter", None, 1)  # its tokens are mostly accepted: it pays for its forward
+    policy.costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1), draft=lambda rows: 50.0)
+    assert not policy.worth("drafter", None, 1)  # a forward of 50 AR steps never pays
+
+
+def test_cost_tables_interpolate_between_measured_shapes():
+    assert measured_widths(8) == [1, 2, 4, 8] and measured_widths(1) == [1] and measured_widths(6) == [1, 2, 4, 6]
+    table = {1: 1.0, 4: 2.5}
+    assert interpolate(table, 1) == 1.0 and interpolate(table, 2) == 1.5 and interpolate(table, 6) == 3.5
+    assert interpolate({3: 2.0}, 7) == 2.0
+
+
+def test_measured_costs_are_kept_per_model(converted):
+    """The first call at a batch size times its forwards (on a scratch cache: the call's output is the same), the
+    next calls reuse the table."""
+    from r2lm.generation.costs import measured_tables
+
+    hf, target, _ = converted
+    ids = left_padded(batch=1)[0]
+    generate(target, ids, max_new_tokens=3, block_size=4, verify=True, verify_draft="lookup", eos_token_id=[])
+    tables = measured_tables(target)
+    key = next(k for k in tables if k.startswith("LookupDrafts/4/"))
+    assert set(tables[key]["verify"]["1"]) == {"1", "2", "4"} and all(s > 0 for s in tables[key]["verify"]["1"].values())
+    before = dict(tables[key]["verify"]["1"])
+    generate(target, ids, max_new_tokens=3, block_size=4, verify=True, verify_draft="lookup", eos_token_id=[])
+    assert measured_tables(target)[key]["verify"]["1"] == before
+
+
+def test_verify_policy_is_checked(converted):
+    _, target, _ = converted
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="verify_policy must be one of"):
+        generate(target, ids, max_new_tokens=4, verify=True, verify_policy="fastest")
+    with pytest.raises(ValueError, match="pass verify=True"):
+        generate(target, ids, max_new_tokens=4, verify_policy="longest")
