@@ -182,6 +182,9 @@ class R2LMConfig(PreTrainedConfig):
         if self.mask_token_id is not None and self.pad_token_id == self.mask_token_id:
             raise ValueError(f"pad_token_id {self.pad_token_id} is also the mask token id: padding would read as "
                              "[MASK] positions to decode")
+        if self.mask_token_id is not None and self.bos_token_id == self.mask_token_id:
+            raise ValueError(f"bos_token_id {self.bos_token_id} is also the mask token id: every [MASK] would read as "
+                             "the start of a text")
         for name in ("sidecar_layers", "hybrid_layers"):
             layers = getattr(self, name)
             bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]
@@ -214,6 +217,9 @@ class R2LMConfig(PreTrainedConfig):
                 f"rope_type {rope_type!r} is not supported: its frequencies change with the sequence length, which "
                 f"would make cached keys inexact; supported: {ROPE_TYPES}"
             )
+        theta = (self.rope_parameters or {}).get("rope_theta", 10000.0)
+        if not _is_number(theta) or theta <= 0:
+            raise ValueError(f"rope_parameters.rope_theta must be a positive number, got {theta!r}")
 
     def check_lora_targets(self, target_modules, what: str) -> None:
         """Refuse a LoRA on lm_head or embed_tokens when the two share one weight (tie_word_embeddings): merging it

@@ -26,6 +26,9 @@ vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +40,7 @@ from transformers import initialization as init
 
 from r2lm.cache import KVCache
 from r2lm.checkpoints.hf import check_weights
-from r2lm.checkpoints.manifest import verify_checkpoint
+from r2lm.checkpoints.manifest import verify_checkpoint, verify_files
 from r2lm.checkpoints.zero import load_fp32_state_dict
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.diffusion import Loss
@@ -47,6 +50,7 @@ from r2lm.layout import Layout
 from r2lm.modeling_r2lm import R2LMDecoderLayer, refuse_partial_load
 from r2lm.ops.linear import linear
 from r2lm.plan import ForwardPlan, plan_of
+from r2lm.prefix.identity import ModelIdentity
 
 IN_BLOCK = ("bidirectional", "causal")
 
@@ -72,7 +76,7 @@ class DrafterConfig(PretrainedConfig):
                  max_position_embeddings: int = 8192, qk_norm: bool = False, block_size: int = 8,
                  in_block: str = "bidirectional", sidecar: bool = False, sidecar_d_state: int = 32,
                  sidecar_headdim: int = 64, sidecar_expand: int = 1, draft_vocab_size: int = 0,
-                 initializer_range: float = 0.02, **kwargs):
+                 initializer_range: float = 0.02, target_digest: str | None = None, **kwargs):
         self.target_hidden_size, self.target_vocab_size = target_hidden_size, target_vocab_size
         self.target_num_hidden_layers = target_num_hidden_layers
         self.feature_layers = list(feature_layers)
@@ -84,6 +88,7 @@ class DrafterConfig(PretrainedConfig):
         self.in_block, self.sidecar = in_block, sidecar
         self.sidecar_d_state, self.sidecar_headdim, self.sidecar_expand = sidecar_d_state, sidecar_headdim, sidecar_expand
         self.draft_vocab_size, self.initializer_range = draft_vocab_size, initializer_range
+        self.target_digest = target_digest  # which target it was trained for (`target_digest`): bind() warns on another
         super().__init__(**kwargs)
         self._check()
 
@@ -104,7 +109,15 @@ class DrafterConfig(PretrainedConfig):
             raise ValueError(f"in_block must be one of {IN_BLOCK}, got {self.in_block!r}")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.target_vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}], got {self.draft_vocab_size!r}")
-        self.stack_config()  # the layers' own checks (heads, sidecar shape)
+        if isinstance(self.initializer_range, bool) or not isinstance(self.initializer_range, int | float) \
+                or not self.initializer_range >= 0:
+            raise ValueError(f"initializer_range must be a non-negative number, got {self.initializer_range!r}")
+        if self.max_position_embeddings < self.block_size:
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} is below the block size "
+                             f"{self.block_size}: a block would not fit")
+        if self.target_digest is not None and not isinstance(self.target_digest, str):
+            raise ValueError(f"target_digest must be a string (target_digest(target)), got {self.target_digest!r}")
+        self.stack_config()  # the layers' own checks (heads, RoPE, sidecar shape)
 
     @classmethod
     def for_target(cls, target_config, **choices) -> DrafterConfig:
@@ -136,6 +149,19 @@ class DrafterConfig(PretrainedConfig):
                           sidecar_layers=list(range(self.num_hidden_layers)) if self.sidecar else [],
                           sidecar_d_state=self.sidecar_d_state, sidecar_headdim=self.sidecar_headdim,
                           sidecar_expand=self.sidecar_expand, sidecar_chunk_size=max(self.block_size, 1))
+
+
+SHIPPED = Path(__file__).parent / "drafters"  # the drafters r2lm ships, one folder per target (Drafter.shipped)
+
+
+def target_digest(target) -> str:
+    """Which model a drafter drafts for: the forward its verification runs (the target's config fields that change
+    a forward and every weight, the sidecars' left out: verification runs without them, so a converted model and
+    the same model with trained sidecars share one digest)."""
+    identity = ModelIdentity.of(target)
+    config = {k: v for k, v in identity.config.items() if not k.startswith("sidecar_") and k != "block_size"}
+    tensors = {k: v for k, v in identity.tensors.items() if ".sidecar." not in k}
+    return hashlib.blake2b(json.dumps([config, tensors], sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 class Drafter(PreTrainedModel):
@@ -171,10 +197,34 @@ class Drafter(PreTrainedModel):
                 raise ValueError(f"{folder} is not a drafter folder (no config.json): train one with train/pretrain.py "
                                  "objective=drafter (its final/)")
             check_weights(folder)
+            verify_files(folder, [folder / "config.json"])  # an edited config is a different drafter
         kwargs.setdefault("use_kernels", False)  # no Hub kernels (R2LMForDiffusionLM.from_pretrained says why)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         refuse_partial_load(info, pretrained_model_name_or_path)
+        model.check_draft_ids(pretrained_model_name_or_path)
         return model
+
+    def check_draft_ids(self, where) -> None:
+        """The draft vocabulary must name tokens of the target's vocabulary, each once."""
+        ids = self.draft_ids
+        bad = ids[(ids < 0) | (ids >= self.config.target_vocab_size)]
+        if bad.numel():
+            raise ValueError(f"{where}: the draft vocabulary holds token id {int(bad[0])}, outside the target's "
+                             f"vocabulary [0, {self.config.target_vocab_size})")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(f"{where}: the draft vocabulary lists a token twice")
+
+    @classmethod
+    def shipped(cls, target) -> Drafter | None:
+        """The drafter r2lm ships for `target` (r2lm/drafters/: one folder per target, found by its target_digest), in
+        eval mode and the target's dtype; None when none is made for it. Its files are checked against their
+        checksums (a damaged copy is refused, naming the file)."""
+        digest = target_digest(target)
+        for folder in sorted(SHIPPED.iterdir()) if SHIPPED.is_dir() else []:
+            config = folder / "config.json"
+            if config.is_file() and json.loads(config.read_text()).get("target_digest") == digest:
+                return cls.from_pretrained(folder).to(target.dtype).eval()
+        return None
 
     @classmethod
     def from_training_checkpoint(cls, folder) -> Drafter:
@@ -208,11 +258,18 @@ class Drafter(PreTrainedModel):
 
     def bind(self, target) -> Drafter:
         """Read the target's embeddings and LM head (shared, not copied into the drafter's weights; the head's draft
-        rows are gathered once per target). Refuses a target of another shape."""
+        rows are gathered once per target). Refuses a target of another shape; warns, naming both, when the target
+        is not the one the drafter was trained for (its outputs stay the target's own: only acceptance suffers)."""
         self.check_target(target.config)
         head = target.lm_head.weight.detach()
         if self.target is not None and self._bound_to == (id(target), head.data_ptr(), head._version):
             return self
+        if self.config.target_digest is not None:
+            digest = target_digest(target)
+            if digest != self.config.target_digest:
+                warnings.warn(f"this drafter ({self.config.name_or_path or 'unsaved'}) was trained for another target "
+                              f"(digest {self.config.target_digest}), not for {target.config.name_or_path or 'this model'} "
+                              f"(digest {digest}): its drafts will rarely be accepted", UserWarning, stacklevel=2)
         self._bound_to = (id(target), head.data_ptr(), head._version)
         self.target = Bound(target.model.embed_tokens, head.index_select(0, self.draft_ids.to(head.device)),
                             target.model.norm, head)

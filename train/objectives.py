@@ -192,10 +192,11 @@ class Drafting(Objective):
                              "data.heldout_fraction")
 
     def module(self, model_dir: Path, plan):
-        from r2lm.drafter import Drafter
+        from r2lm.drafter import Drafter, target_digest
         from train.drafter import FeatureCache, load_target
 
         self.target = load_target(model_dir)
+        self.drafter_config.target_digest = target_digest(self.target)  # bind() warns when used for another model
         drafter = Drafter(self.drafter_config)
         drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
         if self.cfg.drafter.init == "target":

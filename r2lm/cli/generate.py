@@ -28,8 +28,11 @@ from r2lm.checkpoints import check_tokenizer, check_weights, load_tokenizer, rea
 from r2lm.device import resolve_device
 from r2lm.drafter import Drafter
 from r2lm.generation.drafts import DRAFTS
+from r2lm.generation.policy import POLICIES
 from r2lm.generation.sampling import CONFIDENCES
 from r2lm.modeling_r2lm import R2LMForDiffusionLM
+
+SHIPPED_DRAFTER = "(shipped)"  # --drafter without a folder: r2lm.drafter.Drafter.shipped(model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,14 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     verify = parser.add_argument_group("lossless verified decoding (the output is the model's own greedy AR text)")
     verify.add_argument("--verify", action="store_true",
                         help="draft --block-size tokens at a time, verify them with the causal pass (greedy only)")
-    verify.add_argument("--verify-draft", choices=DRAFTS,
+    verify.add_argument("--verify-draft", choices=tuple(DRAFTS),
                         help="what drafts: the diffusion window (default without --drafter), prompt lookup (copies of "
                              "the prompt and the text so far, no drafting window: suits text that repeats itself), the "
                              "drafter, or lookup where the text repeats and the drafter elsewhere (default with "
                              "--drafter)")
-    verify.add_argument("--drafter", metavar="DIR",
-                        help="a drafter trained for this checkpoint (train/pretrain.py objective=drafter; its final/): "
-                             "implies --verify")
+    verify.add_argument("--drafter", metavar="DIR", nargs="?", const=SHIPPED_DRAFTER,
+                        help="a drafter trained for this checkpoint (train/pretrain.py objective=drafter; its final/); "
+                             "--drafter alone: the one r2lm ships for this checkpoint's model (e.g. SmolLM2-135M-"
+                             "Instruct). Implies --verify")
+    verify.add_argument("--verify-policy", choices=tuple(POLICIES),
+                        help="how much each step drafts: adaptive (default: measured acceptance against measured "
+                             "cost, never slower than AR by design) or longest (every draft whole)")
     verify.add_argument("--verify-windows", type=int, metavar="W",
                         help="window drafts: pre-draft W of the block_size + 1 ways a verification can end")
     return parser
@@ -118,8 +125,10 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
         options["use_cache"] = False
     if args.compile:
         options["compile"] = True
-    if args.verify or args.drafter:
+    if args.verify or args.drafter is not None:
         options["verify"] = True
+    if args.verify_policy is not None:
+        options["verify_policy"] = args.verify_policy
     return options
 
 
@@ -144,7 +153,12 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
     batch = encode(tokenizer, args.prompt, args.chat, args.checkpoint)
     options = decoding_options(args, device)
     model = R2LMForDiffusionLM.from_pretrained(args.checkpoint).to(device).eval()
-    if args.drafter:
+    if args.drafter == SHIPPED_DRAFTER:
+        options["drafter"] = Drafter.shipped(model)
+        if options["drafter"] is None:
+            raise ValueError(f"r2lm ships no drafter for {args.checkpoint}'s model: give --drafter DIR (train one with "
+                             "train/pretrain.py objective=drafter)")
+    elif args.drafter:
         options["drafter"] = Drafter.from_pretrained(args.drafter).to(device).eval()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
     start = time.perf_counter()
@@ -177,7 +191,10 @@ def run(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_checkpoint(parser, args.checkpoint)
-    if args.drafter and not (Path(args.drafter) / "config.json").is_file():
+    if args.drafter is not None and not args.drafter.strip():
+        parser.error("--drafter was given an empty folder name: give a drafter folder, or --drafter alone for the one "
+                     "r2lm ships for this model")
+    if args.drafter not in (None, SHIPPED_DRAFTER) and not (Path(args.drafter) / "config.json").is_file():
         parser.error(f"--drafter {args.drafter}: no drafter folder there (no config.json); train one with "
                      "train/pretrain.py objective=drafter")
     device = check_device(parser, args.device)

@@ -118,19 +118,31 @@ def load_backbone(model: R2LMForDiffusionLM, state: dict[str, torch.Tensor], *, 
 
 
 def check_mask_id(mask_id: int, given: str, src, config, generation, tokenizer) -> None:
-    """Refuse a [MASK] id that is also an EOS or padding id of the source (its config, generation config or
-    tokenizer): every [MASK] still to decode would read as the end of the text, EOS could never be generated, and
-    padding would read as positions to decode."""
-    roles = (("EOS", "eos_token_id"), ("pad", "pad_token_id"))
+    """Refuse a [MASK] id that is also a token with another role in the source: its EOS, padding, BOS or unknown
+    id (config, generation config or tokenizer), or any token its tokenizer treats as special (a chat template's
+    role markers such as <|im_start|>), the tokenizer's own mask token excepted. Every [MASK] still to decode would
+    read as that token, and the model could never write it."""
+    roles = (("EOS", "eos_token_id"), ("pad", "pad_token_id"), ("BOS", "bos_token_id"), ("unknown", "unk_token_id"))
     for role, field in roles:
         for where, source in (("config", config), ("generation config", generation), ("tokenizer", tokenizer)):
             value = getattr(source, field, None)
             if mask_id in (value if isinstance(value, list | tuple) else [value]):
                 raise ValueError(
                     f"{given} is the {role} token id of {src} (its {where}'s {field} is {value}): the converted model "
-                    "could never generate (every [MASK] would read as that token); give a [MASK] token of its own, or "
-                    "leave --mask-token-id and --mask-token out to add a new one"
+                    "could never generate it (every [MASK] would read as that token); give a [MASK] token of its own, "
+                    "or leave --mask-token-id and --mask-token out to add a new one"
                 )
+    if tokenizer is None:
+        return
+    special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special.update(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True))
+    for token, i in special.items():
+        if i == mask_id and token != tokenizer.mask_token:
+            raise ValueError(
+                f"{given} is {token!r}, a special token of {src}'s tokenizer (a chat template's marker or another "
+                "role): the converted model could never write it; give a [MASK] token of its own, or leave "
+                "--mask-token-id and --mask-token out to add a new one"
+            )
 
 
 def add_mask_row(model: R2LMForDiffusionLM, mask_id: int) -> None:
@@ -241,16 +253,14 @@ def convert_from_hf(
     dtype = dtype or config.dtype or torch.float32
     new_token = False
     if mask_token_id is None and tokenizer is not None:
-        existing = tokenizer.convert_tokens_to_ids(mask_token)
-        if existing is not None and existing != tokenizer.unk_token_id:
+        existing = tokenizer.get_vocab().get(mask_token)
+        if existing is not None:  # checked before it becomes the tokenizer's mask token
+            check_mask_id(existing, f"--mask-token {mask_token!r} (id {existing})", src, config, generation, tokenizer)
             mask_token_id = existing
         else:
             tokenizer.add_special_tokens({"mask_token": mask_token})
             mask_token_id, new_token = tokenizer.convert_tokens_to_ids(mask_token), True
         tokenizer.mask_token = mask_token
-        if not new_token:
-            check_mask_id(mask_token_id, f"--mask-token {mask_token!r} (id {mask_token_id})", src, config, generation,
-                          tokenizer)
     elif mask_token_id is None:  # no tokenizer: a new id after the vocabulary
         mask_token_id, new_token = config.vocab_size, True
     if gguf_file is None:  # every check above is cheap: the weights are read last

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from r2lm import R2LMForDiffusionLM
+from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import load_tokenizer
 from r2lm.convert.__main__ import main
 from r2lm.convert.from_hf import convert_from_hf
@@ -72,6 +72,26 @@ def test_a_mask_token_that_is_eos_or_padding_is_refused(qwen3_dir, tmp_path, cap
     assert given in err
     assert f"is the {role} token id of {qwen3_dir} (its tokenizer's {field}): the converted model could never" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]
+
+
+@pytest.mark.parametrize("token,role", [("<s>", "BOS"), ("<unk>", "unknown"), ("<|im_start|>", "special")])
+def test_a_mask_token_with_any_other_special_role_is_refused(tmp_path, capsys, token, role):
+    """Issue 40 item 2: a [MASK] id equal to BOS was accepted (rc 0); so were the unknown token and a chat
+    template's role markers. Each is refused by name, for --mask-token-id and --mask-token alike."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "<s>", "unk_token": "<unk>", "additional_special_tokens": ["<|im_start|>"]})
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab_size=len(tok))).save_pretrained(src)
+    tok.save_pretrained(src)
+    token_id = tok.convert_tokens_to_ids(token)
+    for option in (["--mask-token-id", str(token_id)], ["--mask-token", token]):
+        assert main(["from-hf", str(src), str(tmp_path / "out"), *option]) == 2
+        err = capsys.readouterr().err
+        assert (f"is the {role} token id of {src}" in err) if role != "special" else \
+            (f"is {token!r}, a special token of {src}'s tokenizer" in err), err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="bos_token_id 3 is also the mask token id"):
+        R2LMConfig(vocab_size=10, bos_token_id=3, mask_token_id=3)
 
 
 def test_round_trip_is_bit_exact(qwen3_dir, tmp_path):

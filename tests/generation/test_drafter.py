@@ -176,3 +176,62 @@ def test_verify_with_a_drafter_and_stop_strings(converted):
         return stop in (said + new)[len(said) - len(stop) + 1:]
 
     assert text.startswith(got) and stops(got) and not stops(tok.decode(ids[:-1]))  # at the first token that can
+
+
+def test_a_drafter_bound_to_another_model_of_the_same_shapes_warns(converted):
+    """Issue 40 item 3: a drafter records the target it was trained for (`target_digest`); bound to a model of the
+    same shapes and other weights it warns, naming both (before: silent, 21 forwards for 24 tokens instead of 8).
+    The same weights with sidecars added share the digest: verification runs without them."""
+    import warnings
+
+    from r2lm.drafter import target_digest
+
+    hf, target = converted
+    drafter = untrained(target, target_digest=target_digest(target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(target, torch.tensor([[5, 6, 7]]), max_new_tokens=4, verify=True, drafter=drafter)
+    other = R2LMForDiffusionLM(target.config).eval()  # the same shapes, other weights
+    with pytest.warns(UserWarning, match=r"trained for another target \(digest [0-9a-f]+\), not for .*\(digest [0-9a-f]+\)"):
+        out = generate(other, torch.tensor([[5, 6, 7]]), max_new_tokens=4, verify=True, drafter=drafter)
+    assert torch.equal(out.sequences, generate(other, torch.tensor([[5, 6, 7]]), max_new_tokens=4, block_size=1).sequences)
+
+
+@pytest.mark.parametrize("edit", ["feature_layers", "in_block", "rms_norm_eps"])
+def test_an_edited_drafter_config_is_refused_by_its_manifest(converted, tmp_path, edit):
+    """Issue 40 item 3: a drafter folder whose config.json was edited (layers reordered, in-block attention
+    flipped, a norm eps changed) loaded silently; its checksums.sha256 covers config.json too."""
+    import json
+
+    from r2lm.checkpoints.manifest import seal
+
+    hf, target = converted
+    untrained(target).save_pretrained(tmp_path / "d")
+    seal(tmp_path / "d")
+    Drafter.from_pretrained(tmp_path / "d")  # unedited: loads
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config[edit] = {"feature_layers": config["feature_layers"][::-1], "in_block": "causal",
+                    "rms_norm_eps": 1e-3}[edit]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json is damaged: its sha256 differs"):
+        Drafter.from_pretrained(tmp_path / "d")
+
+
+def test_impossible_drafter_values_are_refused(converted, tmp_path):
+    """Issue 40 item 4: each was accepted (a draft id outside the vocabulary failed later with a bare IndexError
+    inside the forward)."""
+    from safetensors.torch import load_file, save_file
+
+    hf, target = converted
+    cases = [(dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), "rope_theta must be a positive"),
+             (dict(initializer_range=-0.1), "initializer_range must be a non-negative"),
+             (dict(max_position_embeddings=2), "max_position_embeddings 2 is below the block size 4")]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            DrafterConfig.for_target(target.config, block_size=4, **change)
+    untrained(target, draft_vocab_size=8).save_pretrained(tmp_path / "d")
+    weights = load_file(tmp_path / "d" / "model.safetensors")
+    weights["draft_ids"][3] = target.config.vocab_size + 7
+    save_file(weights, tmp_path / "d" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"draft vocabulary holds token id {target.config.vocab_size + 7}, outside"):
+        Drafter.from_pretrained(tmp_path / "d")

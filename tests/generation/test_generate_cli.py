@@ -88,6 +88,8 @@ OPTIONS = [
     (["--verify", "--verify-draft", "lookup", "--temperature", "0"],
      dict(verify=True, verify_draft="lookup", temperature=0.0)),
     (["--verify", "--verify-windows", "2", "--temperature", "0"], dict(verify=True, verify_windows=2, temperature=0.0)),
+    (["--verify", "--verify-policy", "longest", "--temperature", "0"],
+     dict(verify=True, verify_policy="longest", temperature=0.0)),
 ]
 
 
@@ -124,6 +126,16 @@ def test_chat_applies_the_tokenizers_template(checkpoint, tmp_path, capsys):
     assert out.splitlines() == [f"{prompt!r} -> {text!r}" for prompt, text in zip(PROMPTS, texts, strict=True)]
     code, _, err = run([checkpoint, "--chat", "--prompt", PROMPTS[0]], capsys)
     assert code == 2 and f"--chat: the tokenizer of {checkpoint} has no chat template" in err
+
+
+def test_a_drafter_flag_without_a_usable_drafter_is_named(checkpoint, capsys):
+    """Issue 40 item 7: `--drafter ""` decoded without verification, silently. --drafter alone asks for the drafter
+    r2lm ships for the checkpoint's model: this tiny model has none."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(checkpoint), "--prompt", "x", "--drafter", ""])
+    assert exit_.value.code == 2 and "--drafter was given an empty folder name" in capsys.readouterr().err
+    code, out, err = run([checkpoint, "--prompt", "x", "--drafter"], capsys)
+    assert code == 2 and f"r2lm ships no drafter for {checkpoint}'s model" in err and out == ""
 
 
 def test_bad_input_is_named(checkpoint, tmp_path, capsys):
