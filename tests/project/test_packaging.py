@@ -57,7 +57,7 @@ def test_training_and_converters_share_the_checkpoint_formats_not_each_other():
 EVAL_USES_OF_TRAIN = {
     "eval/gpu_check.py": {"train.tracking"},  # the metrics of the training run it launches
     "eval/hybrid_quality.py": {"train.config", "train.data", "train.pretrain"},  # its runs' held-out set and noise
-    "eval/lossless_bench.py": {"train.tracking"},  # a drafter training run's metrics
+    "eval/drafter_curve.py": {"train.tracking"},  # a drafter training run's metrics
     "eval/smollm2_cpt.py": {"train.tracking"},  # its run's metrics
 }
 

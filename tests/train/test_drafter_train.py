@@ -118,3 +118,34 @@ def test_two_ranks_through_the_deepspeed_launcher(inputs, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert Drafter.from_pretrained(tmp_path / "run" / "final").config.block_size == 4
     assert python  # (the launcher is the real one)
+
+
+def test_a_features_cache_serves_only_its_target_and_whole_records(inputs, tmp_path, caplog):
+    """Issue 37 / 40 item 6: features cached for one target are never read for another (each target's files live
+    under its own identity: weights, config, layers, dtype), and a file that does not hold its record's length
+    (a truncated write, an edited cache) is computed again, with a warning, rather than zero-filled."""
+    from train.drafter import Batches, FeatureCache, read_records
+
+    _, model, train, _ = inputs
+    target = R2LMForDiffusionLM.from_pretrained(model).eval()
+    records = read_records([str(train)], 64, "data.train")[:3]
+    batch = Batches(records, 3, 0).batch([0, 1, 2])
+    layers = (0, 1)
+    first = FeatureCache(str(tmp_path), target, layers)
+    want = first(batch)
+    assert first.misses == 3 and len(list(tmp_path.rglob("*.pt"))) == 3
+    other = R2LMForDiffusionLM.from_pretrained(model).eval()  # the same shapes, one weight changed
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    second = FeatureCache(str(tmp_path), other, layers)
+    got = second(batch)
+    assert second.hits == 0 and second.misses == 3  # its own files: the first target's are not read
+    assert not all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    path = sorted(first.folder.glob("*.pt"))[0]
+    stored = torch.load(path)
+    torch.save(stored[:-2].clone(), path)  # two positions short
+    again = FeatureCache(str(tmp_path), target, layers)
+    with caplog.at_level("WARNING"):
+        assert all(torch.equal(a, b) for a, b in zip(again(batch), want, strict=True))
+    assert again.misses == 1 and again.hits == 2 and "computed again" in caplog.text
+    assert torch.load(path).shape == stored.shape  # rewritten whole

@@ -1,0 +1,80 @@
+"""A drafter's τ against its training tokens: each checkpoint of a train/pretrain.py objective=drafter run (reassembled
+from its DeepSpeed shards) drafting for the target, beside the run's own held-out estimate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eval.decoders import left_pad, r2lm_decoder
+from eval.machine import name_of
+
+logger = logging.getLogger("eval.drafter_curve")
+
+
+def checkpoint_config(folder: Path):
+    """The DrafterConfig saved beside a train/pretrain.py objective=drafter checkpoint (refused for another kind)."""
+    from r2lm.drafter import DrafterConfig
+
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if config.get("model_type") != DrafterConfig.model_type:
+        raise ValueError(f"{folder} is not a drafter checkpoint (its config.json is not a {DrafterConfig.model_type} "
+                         "config): --curve takes the output_dir of a train/pretrain.py objective=drafter run")
+    return DrafterConfig.from_pretrained(folder)
+
+
+def checkpoint_drafter(folder: Path):
+    """The drafter a train/pretrain.py objective=drafter checkpoint holds, reassembled from its DeepSpeed shards
+    (verified against its manifest first)."""
+    from r2lm.checkpoints import load_fp32_state_dict, verify_checkpoint
+    from r2lm.drafter import Drafter
+
+    config = checkpoint_config(folder)
+    verify_checkpoint(folder)
+    state = load_fp32_state_dict(folder.parent, folder.name)
+    drafter = Drafter(config)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder} does not hold a drafter of its config: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    return drafter.eval()
+
+
+def spread_out(items: list, count: int) -> list:
+    """At most `count` of `items`, evenly spaced, the last always among them."""
+    if len(items) <= count:
+        return items
+    picks = sorted({round(i * (len(items) - 1) / (count - 1)) for i in range(count)}) if count > 1 else [len(items) - 1]
+    return [items[i] for i in picks]
+
+
+def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
+    """τ of a drafter run's checkpoints against its training tokens (eval/lossless_bench.py's docstring); `s`: the
+    benchmark's Setup."""
+    from r2lm.checkpoints import complete_checkpoints, read_state
+    from train.tracking import read_metrics
+
+    checkpoints = spread_out(complete_checkpoints(run_dir / "checkpoints"), args.curve_points)
+    train = {r["step"]: r["tokens"] for r in read_metrics(run_dir, "train")}
+    train[0] = 0
+    evals = [{"step": r["step"], "tokens": train.get(r["step"]), "eval_tau": r["eval_tau"]}
+             for r in read_metrics(run_dir, "eval") if "eval_tau" in r]
+    points = []
+    for step, folder in tqdm(checkpoints, desc=f"curve {run_dir.name}", unit="checkpoint", dynamic_ncols=True):
+        state = read_state(folder)
+        model_path = state.get("model_path")
+        if model_path and Path(model_path).resolve() != Path(args.target).resolve():  # (a path of this machine: logged)
+            logger.warning("%s was trained beside %s; measured beside --target %s", folder, model_path, args.target)
+        drafter = checkpoint_drafter(folder).to(s.target.dtype)
+        run = r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft="drafter")
+        tau = {}
+        for category in args.categories:
+            outs = [run(*left_pad([ids], s.pad), args.new_tokens) for _, ids in prompts[category][: args.curve_prompts]]
+            tau[category] = sum(o.tokens for o in outs) / max(sum(o.forwards for o in outs), 1)
+        points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau})
+        logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
+    return {"run": name_of(run_dir), "block_size": drafter.config.block_size if checkpoints else None,
+            "points": points, "eval_tau": evals}
