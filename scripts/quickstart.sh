@@ -6,13 +6,14 @@
 #      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
-#   4. a drafter for the frozen model: SmolLM2 answers 192 ShareGPT training-split prompts (its own greedy
-#      text, train/teacher_data.py --chat), and a drafter learns to guess it from SmolLM2's own features through the
-#      deepspeed launcher (objective=drafter, 2 CPU ranks, a few minutes: a real one trains far longer,
-#      scripts/reproduce_drafter.sh)
+#   4. the drafter pipeline, shown small: SmolLM2 answers 64 ShareGPT training-split prompts (its own greedy text,
+#      train/teacher_data.py --chat, batched), and a drafter learns to guess it from SmolLM2's own features through
+#      the deepspeed launcher (objective=drafter, 2 CPU ranks, a minute or two). Far too little to pay: the drafter
+#      r2lm ships for SmolLM2 (r2lm/drafters/, 10M tokens of self-distillation, scripts/reproduce_drafter.sh) is the
+#      one that does, and step 5 shows both
 #   5. chat prompts answered with cached parallel decoding and with verify=True, drafted by the window, by prompt
-#      lookup and by the drafter (lossless: SmolLM2's own text, checked), tokens per step and tokens/s against AR
-#      decoding of the same model (scripts/chat_demo.py)
+#      lookup, by the shipped drafter and by step 4's (lossless: SmolLM2's own text, checked), tokens per forward
+#      and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
 #
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
 #   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)
@@ -111,9 +112,9 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # the tiny model continues corpus paragr
     --max-new-tokens 48 --max-prompts 64 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/tiny_cpu.yaml
 else  # SmolLM2 answers ShareGPT's training-split prompts (the held-out split is the benchmark's)
-  python -m r2lm.workloads chat-train --limit 192 --out "$RUN/drafter/prompts.jsonl"
+  python -m r2lm.workloads chat-train --limit 64 --out "$RUN/drafter/prompts.jsonl"
   python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --chat --id-field id \
-    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 128 --batch-size 16 --out "$RUN/drafter/answers.jsonl"
+    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 128 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/smollm2_quickstart.yaml
 fi
 deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$DRAFTER_CONFIG" model="$RUN/r2lm" \

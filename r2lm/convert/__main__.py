@@ -181,6 +181,28 @@ def run_merge_lora(args) -> None:
     merge_lora(args.src, args.adapter, args.dst, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
 
 
+def add_drafter(sub) -> None:
+    p = sub.add_parser(
+        "drafter",
+        help="a trained drafter -> the folder that ships it (its target recorded, --dtype, checksums)",
+        description="Write a drafter (a drafter run's final/ or checkpoint) as it ships: for the target MODEL (checked "
+        "to have its shapes; its digest recorded, so binding the drafter to another model warns), in --dtype, with "
+        "checksums.sha256 over its files.",
+    )
+    p.add_argument("src", help="drafter folder, or a checkpoint of a train/pretrain.py objective=drafter run")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--target", required=True, help="the R2LM checkpoint the drafter drafts for")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="output dtype (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.set_defaults(run=run_drafter)
+
+
+def run_drafter(args) -> None:
+    from r2lm.convert.drafter import export_drafter
+
+    export_drafter(args.src, args.dst, args.target, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+
+
 def add_importers(sub) -> None:
     """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
     add_parsers(sub, DTYPES, layer_list)
@@ -195,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_to_hybrid(sub)
     add_to_hf(sub)
     add_merge_lora(sub)
+    add_drafter(sub)
     add_importers(sub)
     return parser
 
