@@ -33,6 +33,8 @@ if [ "${DS_ACCELERATOR:-}" = cpu ]; then
 fi
 # r2lm's few-row CPU kernel (r2lm/ops/few_rows.py), compiled once for this machine (about 40 s): decoding measures it
 # against torch's own products and uses it where it is faster; without a build it uses torch's alone
-python -c "from r2lm.ops.few_rows import build, kernel; kernel() or build()" >/dev/null 2>&1 \
-  || echo "note: r2lm's few-row kernel did not build (a C++ compiler and ninja are needed); decoding uses torch's products" >&2
+# (built, then loaded and checked in a child process: only a checked build is ever loaded by decoding)
+python -c "from r2lm.ops.few_rows import build, kernel; import sys; sys.exit(kernel() is None and build() is None)" \
+  >/dev/null 2>&1 || echo "note: r2lm's few-row kernel did not build or failed its check (a C++ compiler and ninja" \
+  "are needed); decoding uses torch's products" >&2
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_SILENT=true

@@ -72,14 +72,34 @@ def windows(ids: list[int], spans: list[tuple[int, int]], seq_len: int):
             yield ids[at : at + seq_len], inside
 
 
-def read_records(files: list[str], seq_len: int, what: str, max_tokens: int = 0) -> list[Record]:
+def check_complete(file: str, what: str) -> None:
+    """A teacher file (train/teacher_data.py writes FILE.settings beside it) is read only once its run wrote every
+    record it was asked for (FILE.complete, with the count): not while a run writes it, nor a killed run's."""
+    from train.teacher_data import COMPLETE_SUFFIX, SETTINGS_SUFFIX
+
+    path = Path(file)
+    if not path.with_name(path.name + SETTINGS_SUFFIX).is_file():
+        return  # not a teacher run's file
+    done = path.with_name(path.name + COMPLETE_SUFFIX)
+    count = sum(1 for _ in path.open(encoding="utf-8"))
+    wanted = json.loads(done.read_text()).get("records") if done.is_file() else None
+    if wanted != count:
+        raise ValueError(f"{what} {file} holds {count} records of a teacher run that has not finished ("
+                         + ("no " + done.name if wanted is None else f"{done.name} says {wanted}") + "): rerun "
+                         "train/teacher_data.py with the same arguments to finish it")
+
+
+def read_records(files: list[str], seq_len: int, what: str, max_tokens: int = 0,
+                 target: str | None = None) -> list[Record]:
     """The records of jsonl `files`, cut to seq_len windows; with `max_tokens`, the leading records up to that many
-    tokens. A record that is no teacher or fixed-text record, or that holds a held-out ShareGPT prompt, is refused
-    naming its file and line."""
+    tokens. A record that is no teacher or fixed-text record, that holds a held-out ShareGPT prompt, or (with
+    `target`, its target_digest) that holds another model's replies is refused naming its file and line; so is a
+    teacher file whose run has not finished."""
     from r2lm.workloads import is_heldout_prompt
 
     records, tokens = [], 0
     for file in files:
+        check_complete(file, what)
         with open(file, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 where = f"{what} {file}, line {number}"
@@ -91,6 +111,9 @@ def read_records(files: list[str], seq_len: int, what: str, max_tokens: int = 0)
                 if not isinstance(record, dict):
                     raise ValueError(f"{where} is not a record (a JSON object)")
                 spans = spans_of(record, where)
+                if target is not None and record.get("teacher", target) != target:
+                    raise ValueError(f"{where} holds the replies of another model (teacher {record['teacher']}, "
+                                     f"the target {target}): a drafter learns its own target's text")
                 if isinstance(record.get("id"), str) and is_heldout_prompt(record["id"]):
                     raise ValueError(f"{where} continues {record['id']}, a held-out ShareGPT conversation (the "
                                      "benchmark's chat prompts): write training records from the training split "

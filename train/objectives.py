@@ -192,11 +192,9 @@ class Drafting(Objective):
                              "data.heldout_fraction")
 
     def module(self, model_dir: Path, plan):
-        from r2lm.drafter import Drafter, target_digest
-        from train.drafter import FeatureCache, load_target
+        from r2lm.drafter import Drafter
+        from train.drafter import FeatureCache
 
-        self.target = load_target(model_dir)
-        self.drafter_config.target_digest = target_digest(self.target)  # bind() warns when used for another model
         drafter = Drafter(self.drafter_config)
         drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
         if self.cfg.drafter.init == "target":
@@ -227,18 +225,22 @@ class Drafting(Objective):
         return counts.topk(size).indices.sort().values
 
     def data(self, plan, eos_id, rank, world, first_on_node, barrier):
+        from r2lm.drafter import target_digest
         from train.data import Data, resolve_source
-        from train.drafter import EvalBatches, TrainBatches, read_records
+        from train.drafter import EvalBatches, TrainBatches, load_target, read_records
+        from train.pretrain import resolve_path
 
         cfg = self.cfg
         pad = plan.tokenizer.pad_token_id if plan.tokenizer.pad_token_id is not None else eos_id
+        self.target = load_target(resolve_path(cfg.model))  # (the data is read first: it is checked against it)
+        target = self.drafter_config.target_digest = target_digest(self.target)  # bind() warns on another model
         self.records = read_records(resolve_source(cfg.data.train, cfg.data.format, "data.train").files, cfg.seq_len,
-                                    "data.train", cfg.drafter.max_tokens)
+                                    "data.train", cfg.drafter.max_tokens, target)
         train = TrainBatches(self.records, cfg.micro_batch_size, cfg.grad_accum, rank, world, cfg.seed, pad)
         heldout = None
         if cfg.data.heldout is not None:
             held = read_records(resolve_source(cfg.data.heldout, cfg.data.format, "data.heldout").files, cfg.seq_len,
-                                "data.heldout")
+                                "data.heldout", target=target)
             heldout = EvalBatches(held, cfg.micro_batch_size, world, cfg.eval_batches, pad)
         logger.info("drafter data: %d training records, %d tokens (%d to draft)%s", len(self.records),
                     sum(len(r.ids) for r in self.records), sum(r.reply_tokens for r in self.records),

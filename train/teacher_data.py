@@ -53,6 +53,7 @@ logger = logging.getLogger("train.teacher_data")
 
 SETTINGS_SUFFIX = ".settings"  # not a data file extension: a folder given as data.train skips it
 LOCK_SUFFIX = ".lock"  # nor is this
+COMPLETE_SUFFIX = ".complete"  # nor this: the record count of a run that wrote every record it was asked for
 # the arguments that decide the records: a resumed run must keep them (--max-prompts may grow or shrink)
 SETTINGS = ("teacher", "prompts", "prompt_field", "text_unit", "prompt_tokens", "max_new_tokens", "batch_size",
             "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype", "chat", "id_field")
@@ -264,6 +265,18 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + SETTINGS_SUFFIX)
 
 
+def complete_path(out: Path) -> Path:
+    return out.with_name(out.name + COMPLETE_SUFFIX)
+
+
+def mark_complete(out: Path, count: int) -> None:
+    """Record that `out` holds every record its run was asked for (a reader refuses a file a run is still writing,
+    or one a killed run left short)."""
+    tmp = out.with_name(f".{out.name}{COMPLETE_SUFFIX}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"records": count}) + "\n")
+    os.replace(tmp, complete_path(out))
+
+
 def read_settings(path: Path) -> dict:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -359,6 +372,12 @@ class Teacher:
         except OSError as err:  # no or unreadable weights
             raise ValueError(f"cannot load the teacher {folder}: {err}") from err
         self.eos_ids = eos_ids_of(folder, tokenizer)
+        # which model wrote the replies (r2lm.drafter.target_digest: a drafter's training refuses another model's)
+        self.digest = None
+        if kind == "r2lm":
+            from r2lm.drafter import target_digest
+
+            self.digest = target_digest(self.model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.steps = self.new_tokens = 0  # R2LM teachers: denoising steps and tokens, for the tokens-per-step report
 
@@ -402,7 +421,7 @@ class Teacher:
             return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
 
 
-def record(index: int, prompt: Prompt, new_ids: list[int], finished: bool, tokenizer) -> dict:
+def record(index: int, prompt: Prompt, new_ids: list[int], finished: bool, tokenizer, teacher: str | None = None) -> dict:
     """`text`: the prompt and the continuation, EOS dropped (for the training pipeline, which packs documents with
     EOS); `ids`: the tokens exactly as read and generated, EOS included (a drafter learns the teacher's own tokens,
     which a round trip through text need not give back)."""
@@ -411,6 +430,8 @@ def record(index: int, prompt: Prompt, new_ids: list[int], finished: bool, token
            "new_tokens": len(new_ids) - finished, "finished": finished, "ids": prompt.ids + new_ids}
     if prompt.source_id is not None:
         out["id"] = prompt.source_id
+    if teacher is not None:
+        out["teacher"] = teacher
     return out
 
 
@@ -498,9 +519,11 @@ def locked_generate_records(args, out: Path) -> int:
     kind, tokenizer, prompts, wanted, device, dtype, settings, done = prepare(args)
     if done >= wanted:
         logger.info("%s already holds %d records for %d prompts: nothing to do", out, done, wanted)
+        mark_complete(out, done)
         return 0
     if done:
         logger.info("%s holds %d of %d records: generating the other %d", out, done, wanted, wanted - done)
+    complete_path(out).unlink(missing_ok=True)  # incomplete until this run has written every record
     teacher = Teacher(args.teacher, kind, tokenizer, args, device, dtype)
     b = args.batch_size
     written = 0
@@ -508,7 +531,7 @@ def locked_generate_records(args, out: Path) -> int:
         for start in range(done // b * b, wanted, b):  # fixed batches: a resumed batch is generated as before
             batch = prompts[start : start + b]
             results = teacher.continue_batch(batch, noise_seed(args.seed, start))
-            records = [record(start + i, p, new, finished, tokenizer)
+            records = [record(start + i, p, new, finished, tokenizer, teacher.digest)
                        for i, (p, (new, finished)) in enumerate(zip(batch, results, strict=True)) if done <= start + i < wanted]
             try:
                 write_records(out, settings, records)
@@ -518,6 +541,7 @@ def locked_generate_records(args, out: Path) -> int:
                                  "rerun the same command to resume") from None
             written += len(records)
             progress.update(len(records))
+    mark_complete(out, done + written)
     per_step = f", {teacher.new_tokens / teacher.steps:.2f} tokens per denoising step" if teacher.steps else ""
     logger.info("wrote %d records to %s%s", written, out, per_step)
     return written

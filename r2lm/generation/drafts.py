@@ -106,10 +106,10 @@ class Drafts(ABC):
         return self.policy.width(proposal)
 
     def keep_rows(self, stay: torch.Tensor) -> None:
-        pass
+        return  # by default a source keeps nothing per row
 
     def prepare_shapes(self) -> None:
-        pass
+        return  # by default its shapes are built on first use
 
     def costs(self) -> MeasuredCosts:
         """What this call's forwards cost on this machine: measured the first time the model verifies with these

@@ -102,9 +102,11 @@ class Policy(ABC):
 
     def observe(self, proposal: Proposal, width: int, agreed: np.ndarray) -> None:
         """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`."""
+        return  # by default nothing is learnt
 
     def keep_rows(self, stay: np.ndarray) -> None:
         """Rows that finished leave."""
+        return  # by default nothing is kept per row
 
 
 class Longest(Policy):

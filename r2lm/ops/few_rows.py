@@ -51,24 +51,75 @@ def build_directory() -> Path:
     return Path(base) / build_name()
 
 
+def library() -> Path:
+    return build_directory() / f"{build_name()}.so"
+
+
+def stamp() -> Path:
+    """The build's stamp: the sha256 of a library that loaded and computed F.linear's products in a child process
+    (a crash there, a bus error from a truncated file say, costs that process, never a decode)."""
+    return library().with_suffix(".so.sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+CHECK = """
+import sys, torch, importlib.machinery, importlib.util
+name, path = sys.argv[1], sys.argv[2]
+loader = importlib.machinery.ExtensionFileLoader(name, path)
+module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+loader.exec_module(module)
+g = torch.Generator().manual_seed(0)
+for rows in (1, 3, 8):
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(40, 96, generator=g)
+    torch.testing.assert_close(module.few_rows(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+"""
+
+
+def verify_build() -> bool:
+    """Load the library in a child process and check its products against F.linear's; stamp it if they agree."""
+    import subprocess
+    import sys
+
+    path = library()
+    done = subprocess.run([sys.executable, "-c", CHECK, build_name(), str(path)], capture_output=True, text=True)
+    if done.returncode:
+        logger.warning("the few-row kernel %s does not load or compute right (%s): decoding uses torch's products",
+                       path, (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
+        stamp().unlink(missing_ok=True)
+        return False
+    stamp().write_text(_sha256(path) + "\n")
+    return True
+
+
 def build(verbose: bool = False):
-    """Compile the kernel for this machine (if not compiled already) and return it."""
+    """Compile the kernel for this machine (if not compiled already), check it in a child process, and return it
+    (None if the check failed)."""
     from torch.utils.cpp_extension import load
 
     folder = build_directory()
     folder.mkdir(parents=True, exist_ok=True)
-    module = load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                  build_directory=str(folder), verbose=verbose)
+    load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+         build_directory=str(folder), verbose=verbose)
+    verify_build()
     kernel.cache_clear()
-    return module
+    return kernel()
 
 
 @functools.cache
 def kernel():
-    """The built kernel's module (its `few_rows(x, w)`), or None when this machine has no build of it."""
-    path = build_directory() / f"{build_name()}.so"
+    """The built kernel's module (its `few_rows(x, w)`), or None when this machine has no checked build of it: a
+    library whose bytes are not the ones `build` checked (truncated, rebuilt, copied from elsewhere) is never loaded
+    into this process."""
+    path = library()
     if not path.is_file():
         logger.debug("no build of the few-row kernel for this machine (%s): python -m r2lm.ops.few_rows", path)
+        return None
+    if not stamp().is_file() or stamp().read_text().strip() != _sha256(path):
+        logger.warning("the few-row kernel %s is not the build that was checked (truncated or changed since): decoding "
+                       "uses torch's products; python -m r2lm.ops.few_rows rebuilds and checks it", path)
         return None
     loader = importlib.machinery.ExtensionFileLoader(build_name(), str(path))
     spec = importlib.util.spec_from_file_location(build_name(), path, loader=loader)
@@ -84,8 +135,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args()
-    build(args.verbose)
-    print(f"built {build_directory()}")
+    if build(args.verbose) is None:
+        raise SystemExit(f"the build in {build_directory()} failed its check: decoding uses torch's products")
+    print(f"built and checked {build_directory()}")
 
 
 if __name__ == "__main__":

@@ -197,3 +197,32 @@ def test_decoding_through_the_transposed_order_keeps_the_cache_exact(kind):
                 out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
                                eos_token_id=[])
                 assert torch.equal(out.sequences, ar)
+
+
+def test_a_damaged_kernel_build_is_never_loaded(tmp_path, monkeypatch, caplog):
+    """Issue 40 item 6: a truncated build killed every decode with a bus error while scripts/env.sh reported a
+    fallback to torch. A build is loaded only if its bytes are those that loaded and computed F.linear's products in
+    a child process (its stamp); a truncated or changed library is refused with a warning, and the check itself
+    fails in the child, never here."""
+    from r2lm.ops import few_rows
+
+    if kernel() is None:
+        pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
+    good = few_rows.library()
+    copy = tmp_path / few_rows.build_name() / good.name
+    copy.parent.mkdir()
+    copy.write_bytes(good.read_bytes())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    few_rows.kernel.cache_clear()
+    try:
+        assert few_rows.kernel() is None and "not the build that was checked" in caplog.text  # no stamp yet
+        assert few_rows.verify_build() and few_rows.stamp().is_file()
+        few_rows.kernel.cache_clear()
+        assert few_rows.kernel() is not None
+        copy.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # truncated
+        few_rows.kernel.cache_clear()
+        assert few_rows.kernel() is None
+        assert not few_rows.verify_build() and not few_rows.stamp().exists()  # the child failed, this process lives
+    finally:
+        monkeypatch.undo()
+        few_rows.kernel.cache_clear()

@@ -149,3 +149,28 @@ def test_a_features_cache_serves_only_its_target_and_whole_records(inputs, tmp_p
         assert all(torch.equal(a, b) for a, b in zip(again(batch), want, strict=True))
     assert again.misses == 1 and again.hits == 2 and "computed again" in caplog.text
     assert torch.load(path).shape == stored.shape  # rewritten whole
+
+
+def test_unfinished_teacher_files_and_other_models_replies_are_refused(inputs, tmp_path):
+    """Issue 40 item 6: a killed teacher run's file, or the replies of another model of the same shapes, trained a
+    drafter without a word. A teacher file is read only once its run wrote every record (FILE.complete); a record
+    that names another model as its teacher is refused, naming both."""
+    import json
+
+    from train.teacher_data import COMPLETE_SUFFIX, SETTINGS_SUFFIX
+
+    root, model, train, heldout = inputs
+    cut = tmp_path / "cut.jsonl"  # what a run asked for 24 records leaves when it is killed after 21
+    (tmp_path / ("cut.jsonl" + SETTINGS_SUFFIX)).write_text("{}\n")
+    cut.write_text("".join(train.read_text().splitlines(keepends=True)[:-3]))
+    (tmp_path / ("cut.jsonl" + COMPLETE_SUFFIX)).write_text(json.dumps({"records": 24}))  # (an earlier, longer one)
+    with pytest.raises(ValueError, match=r"cut.jsonl holds 21 records of a teacher run that has not finished"):
+        run_inprocess(drafter_overrides((root, model, cut, heldout), tmp_path / "run"))
+    other = tmp_path / "other.jsonl"
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    rows[4]["teacher"] = "0123456789abcdef"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"other.jsonl, line 5 holds the replies of another model \(teacher "
+                                         r"0123456789abcdef, the target [0-9a-f]+\)"):
+        run_inprocess(drafter_overrides((root, model, other, heldout), tmp_path / "run2"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run2" / "checkpoints").exists()
