@@ -21,7 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-TRIALS = 3  # timed forwards per measured shape, after one untimed (allocation, kernel choice)
+from r2lm.ops.linear import undecided
+
+TRIALS = 3  # timed forwards per measured shape, after untimed ones (allocation, kernel choice, product orders)
+SETTLE = 40  # at most this many untimed forwards per shape: r2lm.ops.linear times its orders in a shape's first ones
 
 
 class StepCosts(ABC):
@@ -102,8 +105,11 @@ class MeasuredCosts(StepCosts):
             drafting = None if self.drafting is None else self.drafting(r)
             if drafting is not None:
                 runs["draft"] = drafting
-            for fn in runs.values():
-                fn()  # untimed
+            for fn in runs.values():  # untimed: until r2lm.ops.linear has decided every product order they use
+                for _ in range(SETTLE):
+                    fn()
+                    if not undecided():
+                        break
             times: dict = {k: [] for k in runs}
             for _ in range(TRIALS):  # interleaved: a load that comes and goes hits every width alike
                 for key, fn in runs.items():

@@ -121,13 +121,18 @@ class Drafts(ABC):
         def forward(rows: int, width: int):
             return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
 
-        key = (type(self).__name__, s.b, self.capture, tuple(getattr(self, "outcomes", ())),
-               id(getattr(self, "drafter", None)))
-        costs = kept_costs(s.model, key, lambda: MeasuredCosts(forward, measured_widths(max(self.widths))
+        costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, measured_widths(max(self.widths))
                                                                if len(self.widths) > 2 else list(self.widths),
                                                                self.timed_drafting, s.device))
         costs.measure(s.batch)
         return costs
+
+    @property
+    def key(self) -> tuple:
+        """What its costs and its acceptance are kept for, beside the model: the kind of forward, the draft length and
+        the drafter (another drafter accepts differently)."""
+        return (type(self).__name__, self.state.b, self.capture, tuple(getattr(self, "outcomes", ())),
+                id(getattr(self, "drafter", None)))
 
     def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str) -> Proposal:
         return Proposal(draft, confidence, torch.full((draft.shape[0],), self.sources.index(source), dtype=torch.long,

@@ -5,9 +5,9 @@ A draft pays only where it is accepted often enough to cover what it costs: on a
 So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
 
 - acceptance, per draft source: the share of submitted tokens accepted, by the source's confidence in the token
-  (10 buckets, shared by the rows and kept for the model across calls) and per row (this call's running rate,
-  which scales the buckets' estimate): q = estimated probability that a token is accepted, given that the ones
-  before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
+  and its position in the draft (10 confidence buckets x the first, second, third and later tokens: shared by the
+  rows and kept for the model across calls) and per row (this call's running rate, which scales the cells'
+  estimate): q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
   on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
 - cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
   and D(R), a drafter forward's.
@@ -40,6 +40,7 @@ import torch
 from r2lm.generation.costs import StepCosts
 
 BUCKETS = 10  # confidence buckets of a source's acceptance estimate
+POSITIONS = 4  # positions in the draft it tells apart (the first, second, third, any later one)
 PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts of a bucket never observed: an even chance
 SOURCE_DECAY = 0.995  # per observed step: a source's buckets follow a drifting text slowly
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
@@ -77,7 +78,9 @@ class Policy(ABC):
     needs_costs = False  # whether `start` needs the measured costs of the call's forwards
 
     def start(self, sources: tuple[str, ...], widths: tuple[int, ...], costs: StepCosts | None, mask_id: int,
-              model=None) -> None:
+              model=None, key: tuple = ()) -> None:
+        """`model` and `key` (the drafts' own: r2lm.generation.drafts.Drafts.key) name what may be learnt across
+        calls."""
         self.sources, self.widths, self.costs, self.mask_id = sources, widths, costs, mask_id
 
     def choose(self, candidates: list[Proposal]) -> Proposal:
@@ -117,33 +120,38 @@ class Longest(Policy):
 
 
 class Acceptance:
-    """A draft source's acceptance estimate by confidence bucket, kept for a model across calls."""
+    """A draft source's acceptance estimate by confidence bucket and position in the draft (the first token, the
+    second, ... POSITIONS - 1 and later: a copied or well-predicted span, once its first token is right, tends to go
+    on), kept for a model across calls."""
 
     def __init__(self):
-        self.accepted = np.full(BUCKETS, PRIOR[0])
-        self.tried = np.full(BUCKETS, PRIOR[1])
+        self.accepted = np.full((BUCKETS, POSITIONS), PRIOR[0])
+        self.tried = np.full((BUCKETS, POSITIONS), PRIOR[1])
 
     @staticmethod
-    def bucket(confidence: np.ndarray) -> np.ndarray:
-        return np.minimum((np.clip(confidence, 0, 1) * BUCKETS).astype(np.int64), BUCKETS - 1)
+    def cell(confidence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        bucket = np.minimum((np.clip(confidence, 0, 1) * BUCKETS).astype(np.int64), BUCKETS - 1)
+        return bucket, np.minimum(position, POSITIONS - 1)
 
     def q(self, confidence: np.ndarray) -> np.ndarray:
-        return (self.accepted / self.tried)[self.bucket(confidence)]
+        """[R, b] estimates for drafts' tokens (confidence [R, b], positions 0 .. b - 1)."""
+        position = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
+        return (self.accepted / self.tried)[self.cell(confidence, position)]
 
     def rate(self) -> float:
         """The source's acceptance rate over every bucket's observations (its prior mean when none)."""
         seen = float((self.tried - PRIOR[1]).sum())
         return float((self.accepted - PRIOR[0]).sum()) / seen if seen > 0 else PRIOR[0] / PRIOR[1]
 
-    def update(self, confidence: np.ndarray, accepted: np.ndarray) -> None:
+    def update(self, confidence: np.ndarray, position: np.ndarray, accepted: np.ndarray) -> None:
         self.accepted = (self.accepted - PRIOR[0]) * SOURCE_DECAY + PRIOR[0]
         self.tried = (self.tried - PRIOR[1]) * SOURCE_DECAY + PRIOR[1]
-        index = self.bucket(confidence)
+        index = self.cell(confidence, position)
         np.add.at(self.accepted, index, accepted.astype(np.float64))
         np.add.at(self.tried, index, 1.0)
 
 
-_ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {source: Acceptance}
+_ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(drafts' key, source): Acceptance}
 
 
 class Adaptive(Policy):
@@ -153,10 +161,10 @@ class Adaptive(Policy):
         self.scripted = costs  # costs said rather than measured (r2lm.generation.costs.ScriptedCosts)
         self.needs_costs = costs is None
 
-    def start(self, sources, widths, costs, mask_id, model=None) -> None:
-        super().start(sources, widths, self.scripted or costs, mask_id, model)
+    def start(self, sources, widths, costs, mask_id, model=None, key=()) -> None:
+        super().start(sources, widths, self.scripted or costs, mask_id, model, key)
         kept = _ACCEPTANCE.setdefault(model, {}) if model is not None else {}
-        self.estimates = {name: kept.setdefault(name, Acceptance()) for name in sources}
+        self.estimates = {name: kept.setdefault((key, name), Acceptance()) for name in sources}
         self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
         self.idle = dict.fromkeys(sources, 0)  # steps since a costly source was last used
 
@@ -251,7 +259,9 @@ class Adaptive(Policy):
             if not rows.any():
                 continue
             seen = looked & rows[:, None]
-            self.estimates[name].update(proposal.confidence[:, :width][seen], (positions[None, :] < agreed[:, None])[seen])
+            self.estimates[name].update(proposal.confidence[:, :width][seen],
+                                        np.broadcast_to(positions, seen.shape)[seen],
+                                        (positions[None, :] < agreed[:, None])[seen])
             decay = np.where(rows, ROW_DECAY, 1.0)
             self.row_accepted[:, index] = self.row_accepted[:, index] * decay + np.where(rows, agreed, 0)
             self.row_tried[:, index] = self.row_tried[:, index] * decay + np.where(rows, tried, 0)

@@ -161,7 +161,8 @@ def decode_verified(model, r) -> GenerateOutput:
     policy: Policy = policy_of(v.policy)
     s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if v.draft == "window" else b)
     drafts = DRAFTS[v.draft](s, policy, v)
-    policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model)
+    policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model,
+                 drafts.key)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
     stopper.stream(ids)

@@ -114,6 +114,11 @@ def _trial(key: tuple, x, weight, bias) -> torch.Tensor:
     return out
 
 
+def undecided() -> int:
+    """Shape classes still being timed (their products run every order in turn: a forward costs more until then)."""
+    return sum(key not in _chosen for key in _trials)
+
+
 def decisions() -> list[dict]:
     """Every shape class decided in this process: rows, weight shape, threads, each order's median (us), the order
     used."""
