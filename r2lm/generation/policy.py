@@ -13,7 +13,7 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   and D(R), a drafter forward's.
 
 Each step it takes the forward width w maximising committed tokens per second, sum_r E_r(w - 1) / C(R, w): w = 1
-is a plain AR step. Each row submits its draft up to that width (a row with a shorter draft submits fewer: the
+is a plain AR step, and wins unless a wider forward promises MARGIN more (the estimates err; AR never loses). Each row submits its draft up to that width (a row with a shorter draft submits fewer: the
 forward is one width for the batch), from the source whose draft promises more (lookup or the drafter). Before
 paying for the drafter's forward it checks that the drafts it expects from it (at the rows' running rates) raise
 committed tokens per second by more than D costs. The window source (R2LM's own window) drafts inside a wider
@@ -46,6 +46,7 @@ SOURCE_DECAY = 0.995  # per observed step: a source's buckets follow a drifting 
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.02  # probing a source the estimates rule out costs at most this share of AR time
+MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
 
 
@@ -199,11 +200,14 @@ class Adaptive(Policy):
         return np.concatenate([np.ones((q.shape[0], 1)), 1 + np.cumsum(np.cumprod(q, 1), 1)], 1)
 
     def best(self, expected: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
-        """(width, committed tokens per second) maximising the rate, `extra` seconds paid on top of the forward."""
+        """(width, committed tokens per second) maximising the rate, `extra` seconds paid on top of the forward; a
+        width above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
         rows = expected.shape[0]
         rates = {w: float(expected[:, min(w - 1, expected.shape[1] - 1)].sum()) / (self.costs.verify(rows, w) + extra)
                  for w in self.widths}
         width = max(rates, key=lambda w: (rates[w], -w))
+        if width > 1 and 1 in rates and rates[width] < MARGIN * rates[1]:
+            width = 1
         return width, rates[width]
 
     def probe_due(self, source: str, rows: int) -> bool:
@@ -236,7 +240,7 @@ class Adaptive(Policy):
             with_it = self.best(np.maximum(without, self.expected(ours)), extra=drafting)[1]
         else:  # the window: a forward as wide as the block, every step
             with_it = float(self.expected(ours)[:, b - 1].sum()) / self.costs.verify(rows, b)
-        use = with_it > self.best(without)[1] or self.probe_due(source, rows)
+        use = with_it > MARGIN * self.best(without)[1] or self.probe_due(source, rows)
         self.idle[source] = 0 if use else self.idle[source] + 1
         return use
 
