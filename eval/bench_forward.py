@@ -1,4 +1,4 @@
-"""Forward+backward throughput of one backbone with and without reverse Mamba sidecars (DESIGN 1.1, 2.1).
+"""Forward+backward throughput of one backbone with and without reverse Mamba sidecars (docs/design.md 1.1, 2.1).
 
 Times a `block`-objective training step, `compute_loss("block", model, x0).loss.backward()`: the dual-stream layout
 `[noisy windows ; clean stream]` with the sidecars running over every window. Both variants share the backbone

@@ -8,7 +8,7 @@
 Span infilling. Each item is a held-out passage cut as  left context | span (m tokens) | right context (r
 tokens), the same text for every variant (`infill_items` depends on the tokenizer and the seed only). The model
 fills the span; we report exact match of the whole span and token accuracy. How each kind of model reads the
-right context follows from where it can reach the span (DESIGN 1.1, 2.1):
+right context follows from where it can reach the span (docs/design.md 1.1, 2.1):
 
 - block models (causal / block_causal, with or without sidecars): `r2lm.generate` with the right context as
   `suffix_ids`. The left context is the prompt (prefilled as clean, cached context, sidecar off). The span and the right context form the active window(s) that come

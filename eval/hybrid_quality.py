@@ -1,4 +1,4 @@
-"""Quality of block-hybrid conversion, end to end on a small trained model (DESIGN 1.2 and 7; issue 5).
+"""Quality of block-hybrid conversion, end to end on a small trained model (docs/design.md 1.2 and 7; issue 5).
 
     python -m eval.hybrid_quality [--out runs/hybrid_quality] [--base-steps 1500] [--stage1-steps 400]
                                   [--stage2-steps 300] [--untied-feature-maps] [--launcher python|deepspeed] [--fresh]

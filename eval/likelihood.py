@@ -7,7 +7,7 @@ How a model is evaluated (`--mode`, see `eval_mode`):
 
     ar      causal attention, shift prediction, trained with the `ar` objective (the AR baseline)
     block   causal / block_causal diffusion models (R2LM, causal dLLM, frozen-backbone R2LM): the dual-stream
-            block layout of training and decoding (DESIGN 2.1)
+            block layout of training and decoding (docs/design.md 2.1)
     single  bidirectional models (LLaDA-style mdlm): one noisy stream, every position sees every position
 
 `auto` picks `block` or `single` from config.attention; the AR baseline cannot be told from a causal dLLM by its

@@ -1,4 +1,4 @@
-"""R2LMConfig: one config for the whole bifocal model family (DESIGN section 1).
+"""R2LMConfig: one config for the whole bifocal model family (docs/design.md section 1).
 
 The backbone fields and their names are those of transformers' Qwen3 / Qwen2 / Llama configs, so a
 converted config reads like its source. The diffusion fields choose the attention kind, the prediction

@@ -1,4 +1,4 @@
-"""Training objectives (DESIGN section 3).
+"""Training objectives (docs/design.md section 3).
 
 Each objective maps a batch of clean token ids x0 [B, L] (packed text, optional padding mask) to a scalar
 loss, drawing its noise from a `torch.Generator` so that a run can be replayed exactly.
@@ -9,7 +9,7 @@ that *could* have been masked (real tokens, not separators, inside noised blocks
 of the per-token negative ELBO, comparable across batch compositions and equal in scale to the AR loss. The AR
 loss is the mean next-token cross-entropy over predicted real tokens.
 
-Certainty forcing (`certainty`, after dParallel; notes/parallelism.md section 2) trains a block model to be
+Certainty forcing (`certainty`, after dParallel; docs/notes/parallelism.md section 2) trains a block model to be
 confident where it is already right, so that a confidence threshold accepts many tokens per denoising step: the
 block objective's dual stream with complementary masks (both views scored; every noised token is predicted once),
 plus `entropy_weight` x the entropy of softmax(logits / temperature) at the masked positions whose argmax equals

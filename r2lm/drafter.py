@@ -1,4 +1,4 @@
-"""A drafter for lossless verified decoding of a frozen pretrained target (DESIGN 4, drafters; notes/drafting.md).
+"""A drafter for lossless verified decoding of a frozen pretrained target (docs/design.md 4, drafters; docs/notes/drafting.md).
 
 The direction DFlash and EAGLE-3 took: a light model that reads the target's own context features and drafts a
 block in one pass, at a fraction of a target forward's cost, so that the target's verification forward commits
@@ -390,7 +390,7 @@ class Drafter(PreTrainedModel):
     def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
              generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
              distill: bool = False) -> DraftLoss:
-        """The drafting loss of a batch of text (DFlash's recipe, notes/drafting.md).
+        """The drafting loss of a batch of text (DFlash's recipe, docs/notes/drafting.md).
 
         ids [B, T] right-padded (valid [B, T]); captured: the target's outputs at feature_layers over them (the
         frozen target's forward, or a cache of it); reply [B, T]: the tokens drafts are asked for (the target's own

@@ -1,4 +1,4 @@
-"""Layouts: what each column of one forward is (DESIGN section 2).
+"""Layouts: what each column of one forward is (docs/design.md section 2).
 
 A layout gives every column of the input
 - a RoPE position (per row: left-padded rows have their own positions),
@@ -286,7 +286,7 @@ def _right_aligned(windows: list, device) -> torch.Tensor | None:
 
 
 def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction: str):
-    """The block-diffusion training layout of BD3-LM / Fast-dLLM v2 (DESIGN 2.1): `[windows of x_t ; x_0]`.
+    """The block-diffusion training layout of BD3-LM / Fast-dLLM v2 (docs/design.md 2.1): `[windows of x_t ; x_0]`.
 
     x0 [B, L] clean tokens, xt [B, L] the same tokens with some replaced by [MASK]. Block k covers
     `[k*b, (k+1)*b)`; block 0 is context only. For each later block the input holds one window:

@@ -1,4 +1,4 @@
-"""R2LMForDiffusionLM: a Llama / Qwen2 / Qwen3 decoder with the bifocal additions (DESIGN sections 1-2).
+"""R2LMForDiffusionLM: a Llama / Qwen2 / Qwen3 decoder with the bifocal additions (docs/design.md sections 1-2).
 
 One forward computes logits for a layout (r2lm.layout). Three uses of it:
 

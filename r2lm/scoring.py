@@ -5,7 +5,7 @@ How a model is scored (`mode`, see `eval_mode`):
 
     ar      causal attention, shift prediction, trained with the `ar` objective (the AR baseline)
     block   causal / block_causal diffusion models (R2LM, causal dLLM, frozen-backbone R2LM): the dual-stream
-            block layout of training and decoding (DESIGN 2.1)
+            block layout of training and decoding (docs/design.md 2.1)
     single  bidirectional models (LLaDA-style mdlm): one noisy stream, every position sees every position
 
 Multiple choice (`score_choices`, `answer_loglikelihood`): log p(answer | context). Diffusion variants use
@@ -134,7 +134,7 @@ def answer_blocks(n: int, mode: str, block_size: int) -> list[tuple[int, int]]:
 
 def block_answer_inputs(model, context: torch.Tensor, answer: torch.Tensor, masked: torch.Tensor, block_size: int,
                         cached_head: bool = False):
-    """The answer after the context, as `generate` decodes it (DESIGN 2.1), for a batch of mask patterns.
+    """The answer after the context, as `generate` decodes it (docs/design.md 2.1), for a batch of mask patterns.
 
     context [P], answer [n], masked [rows, n]. Columns: the clean context (prefill: its head, all but its last token
     under `shift`, on the block grid where chunks matter), the clean answer blocks but the last (commits), then one
@@ -178,7 +178,7 @@ class ContextCache:
     """The clean context of block models encoded once: a KVCache of its prefill part (all but the last token under
     `shift`) replicated over the rows of a Monte-Carlo batch, reused by every answer scored after that context.
 
-    Exact: prefill is what the full layout computes for those columns (DESIGN 8.2), and forwards that read the
+    Exact: prefill is what the full layout computes for those columns (docs/design.md 8.2), and forwards that read the
     cache without committing leave it unchanged. Holds the caches of the latest context only (one per batch size)."""
 
     def __init__(self):

@@ -1,4 +1,4 @@
-"""Stage 2 of block-hybrid conversion: LoRA adapters (peft) under the diffusion loss (DESIGN 7; LoLCATs, LLaDA-Hybrid).
+"""Stage 2 of block-hybrid conversion: LoRA adapters (peft) under the diffusion loss (docs/design.md 7; LoLCATs, LLaDA-Hybrid).
 
     deepspeed --num_gpus 8 train/pretrain.py --config configs/train/tiny_hybrid_stage2.yaml   (lora.enabled: true)
 

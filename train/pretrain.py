@@ -1,4 +1,4 @@
-"""Continued pretraining of an R2LM checkpoint with DeepSpeed (DESIGN section 3).
+"""Continued pretraining of an R2LM checkpoint with DeepSpeed (docs/design.md section 3).
 
     deepspeed --num_gpus 8 train/pretrain.py --config configs/train/NAME.yaml [key=value ...]
     torchrun --nproc_per_node 8 train/pretrain.py --config ...

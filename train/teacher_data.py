@@ -1,4 +1,4 @@
-"""Teacher continuations for certainty forcing (objective=certainty; notes/parallelism.md section 2, dParallel).
+"""Teacher continuations for certainty forcing (objective=certainty; docs/notes/parallelism.md section 2, dParallel).
 
     python train/teacher_data.py --teacher CKPT --prompts heldout.txt --out data/teacher.jsonl \\
         --prompt-tokens 32 --max-new-tokens 128 [--student STUDENT_CKPT] [--max-prompts 5000] [--batch-size 16]

@@ -1,4 +1,4 @@
-"""Stage 1 of block-hybrid conversion: attention transfer (DESIGN 1.2 and 7; LoLCATs, LLaDA-Hybrid).
+"""Stage 1 of block-hybrid conversion: attention transfer (docs/design.md 1.2 and 7; LoLCATs, LLaDA-Hybrid).
 
     deepspeed --num_gpus 8 train/pretrain.py --config configs/train/tiny_hybrid_stage1.yaml   (objective: attention_transfer)
 

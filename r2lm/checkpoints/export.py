@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO training checkpoint (stage 1, 2 or 3) exported as an HF-format R2LM folder (DESIGN section 7;
+"""A DeepSpeed ZeRO training checkpoint (stage 1, 2 or 3) exported as an HF-format R2LM folder (docs/design.md section 7;
 `r2lm-convert deepspeed-to-hf`, and the final/ export of train/pretrain.py).
 
 It builds a model, so it sits above the model (r2lm.modeling_r2lm), which reads its own checkpoints through the

@@ -1,4 +1,4 @@
-"""transformers Qwen3 / Qwen2 / Llama checkpoint -> R2LM checkpoint (DESIGN section 7).
+"""transformers Qwen3 / Qwen2 / Llama checkpoint -> R2LM checkpoint (docs/design.md section 7).
 
 The backbone's tensors keep their names; sidecars are added with zero gates (the converted model is the
 backbone, bit for bit, until training opens them); a [MASK] token is added to the tokenizer and the

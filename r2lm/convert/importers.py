@@ -1,4 +1,4 @@
-"""Importers of pretrained diffusion-LM checkpoints into R2LM checkpoints (DESIGN section 7).
+"""Importers of pretrained diffusion-LM checkpoints into R2LM checkpoints (docs/design.md section 7).
 
     r2lm-convert from-llada  SRC DST     LLaDA 1 (OLMo-style layout)      -> bidirectional, inplace
     r2lm-convert from-dream  SRC DST     Dream (Qwen2 layout, q/k/v bias) -> bidirectional, shift

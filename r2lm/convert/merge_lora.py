@@ -1,4 +1,4 @@
-"""R2LM checkpoint + peft LoRA adapter -> one merged R2LM checkpoint (DESIGN 7: "merge on export").
+"""R2LM checkpoint + peft LoRA adapter -> one merged R2LM checkpoint (docs/design.md 7: "merge on export").
 
     r2lm-convert merge-lora SRC ADAPTER DST [--dtype bfloat16] [--overwrite]
 

@@ -1,4 +1,4 @@
-"""R2LM checkpoint without extra layers -> a transformers Qwen3 / Qwen2 / Llama checkpoint (DESIGN section 1:
+"""R2LM checkpoint without extra layers -> a transformers Qwen3 / Qwen2 / Llama checkpoint (docs/design.md section 1:
 such an R2LM *is* its backbone, parameter for parameter).
 
 Useful to hand an AR-pretrained backbone to tools that only know transformers, or to start new conversions from

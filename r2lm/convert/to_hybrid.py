@@ -1,4 +1,4 @@
-"""R2LM / block_causal checkpoint -> the same model with block-hybrid attention on chosen layers (DESIGN 1.2, 7).
+"""R2LM / block_causal checkpoint -> the same model with block-hybrid attention on chosen layers (docs/design.md 1.2, 7).
 
 The chosen layers keep their q/k/v/o projections; they gain a Hedgehog feature map (identity plus noise; one per
 head, or a query and a key map with `tie_feature_maps=False`) and a softmax gate (alpha = 0, w = 0.5). Until attention transfer trains the feature maps the linear part is only a

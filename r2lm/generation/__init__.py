@@ -1,4 +1,4 @@
-"""Cached parallel decoding (DESIGN section 4): `generate(model, input_ids, ...)`, or `model.generate(...)`."""
+"""Cached parallel decoding (docs/design.md section 4): `generate(model, input_ids, ...)`, or `model.generate(...)`."""
 
 from r2lm.generation.decoding import generate
 from r2lm.generation.diagnostics import ParallelismMeter

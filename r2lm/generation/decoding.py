@@ -1,4 +1,4 @@
-"""`generate()`: the one decode loop (DESIGN section 4) for every model kind.
+"""`generate()`: the one decode loop (docs/design.md section 4) for every model kind.
 
     for each block of max_new_tokens:
         until the block has no [MASK]:                 # the loop's exit test: the one host sync of a step

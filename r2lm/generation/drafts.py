@@ -78,8 +78,13 @@ class Drafts(ABC):
     sources: tuple[str, ...]
     capture: tuple[int, ...] = ()  # target layers whose outputs the forward returns too (a drafter's context)
 
-    def __init__(self, state, policy: Policy):
-        self.state, self.policy = state, policy
+    def __init__(self, state, policy: Policy, verifying):
+        self.state, self.policy, self.verifying = state, policy, verifying
+
+    @staticmethod
+    def room(verifying) -> int:
+        """Cache columns one verification forward may write past the committed text (its widest shape)."""
+        return verifying.block_size
 
     @property
     @abstractmethod
@@ -116,7 +121,7 @@ class Drafts(ABC):
         sources at this draft length and batch size, then kept (r2lm.generation.costs)."""
         s = self.state
         context = max(s.prompt_len, COST_CONTEXT)
-        room = max(self.widths) * (len(getattr(self, "outcomes", ())) + 1)
+        room = self.room(self.verifying)
 
         def forward(rows: int, width: int):
             return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
@@ -149,8 +154,8 @@ class CleanDrafts(Drafts):
     """Drafts made between forwards: the verification forward reads the clean columns alone, as many as the policy
     chose (1, an AR step, when no row's draft is worth verifying)."""
 
-    def __init__(self, state, policy: Policy):
-        super().__init__(state, policy)
+    def __init__(self, state, policy: Policy, verifying):
+        super().__init__(state, policy, verifying)
         self.layouts = {w: verify_layout(w, [], state.device) for w in self.widths}
 
     @property
@@ -201,18 +206,24 @@ class ModelDrafts(CleanDrafts):
     the target's), then, where the policy finds it worth its forward, it drafts from the new last committed token.
     The first forward appends the prompt and takes AR's first token (the drafter needs the prompt's features)."""
 
-    def __init__(self, state, policy: Policy, drafter, lookup: bool = False):
+    sources = ("drafter",)
+
+    def __init__(self, state, policy: Policy, verifying):
+        drafter = verifying.drafter
         self.drafter = drafter.bind(state.model)
-        self.sources = ("lookup", "drafter") if lookup else ("drafter",)
         self.capture = tuple(drafter.config.feature_layers)
-        super().__init__(state, policy)
+        super().__init__(state, policy, verifying)
         # the drafter's context grows by every column a forward reads (a row's uncommitted ones invalid), at most b
         # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b)
         self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b
                                            + drafter.config.block_size)
 
+    def free(self) -> Proposal | None:
+        """The drafts at hand without the drafter's forward (none here; LookupModelDrafts: prompt lookup's)."""
+        return None
+
     def first(self):
-        return self.looked_up() if "lookup" in self.sources else self.nothing()
+        return self.free() or self.nothing()
 
     def next(self, length, ar, agreed):
         s = self.state
@@ -221,7 +232,7 @@ class ModelDrafts(CleanDrafts):
         kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
         kept = kept < length[:, None]
         self.drafter.append(self.context, captured, kept if head is None else torch.cat([head, kept], 1))
-        free = self.looked_up() if "lookup" in self.sources else None
+        free = self.free()
         # (with lookup, the policy reads its drafts on the host: a second host read per iteration, in this mode only)
         at_hand = None if free is None else free.host()
         if not self.policy.worth("drafter", at_hand, len(s.rows)):
@@ -245,6 +256,16 @@ class ModelDrafts(CleanDrafts):
         self.context.keep_rows(stay)
 
 
+class LookupModelDrafts(ModelDrafts):
+    """Per row, prompt lookup's draft or the drafter's, whichever the policy expects to commit more; the drafter runs
+    only where the policy expects it to pay for its forward."""
+
+    sources = ("lookup", "drafter")
+
+    def free(self) -> Proposal:
+        return self.looked_up()
+
+
 def fit(draft: torch.Tensor, confidence: torch.Tensor, b: int, mask_id: int):
     """A drafter's block cut to (or padded with [MASK] up to) the call's draft length b."""
     if draft.shape[1] >= b:
@@ -261,17 +282,22 @@ class WindowDrafts(Drafts):
 
     sources = ("window",)
 
-    def __init__(self, state, policy: Policy, windows: int | None):
-        super().__init__(state, policy)
+    def __init__(self, state, policy: Policy, verifying):
+        super().__init__(state, policy, verifying)
         b = state.b
-        self.windows = windows
-        self.outcomes = drafted_outcomes(b, windows)
+        self.outcomes = drafted_outcomes(b, verifying.windows)
         self.layout = verify_layout(b, self.outcomes, state.device)
         self.narrow = verify_layout(1, [], state.device)
         self.openers = torch.tensor(self.outcomes, dtype=torch.long, device=state.device)
         self.cols = torch.arange(b, device=state.device)
         self.h = None
         self.wide = True  # the next forward reads the windows
+
+    @staticmethod
+    def room(verifying) -> int:
+        """The clean columns and a window per drafted outcome."""
+        b = verifying.block_size
+        return b * (len(drafted_outcomes(b, verifying.windows)) + 1)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -341,9 +367,4 @@ class WindowDrafts(Drafts):
                              torch.where(inside, confidence.gather(1, ahead), 0.0), "window")
 
 
-DRAFTS = {
-    "window": lambda state, policy, v: WindowDrafts(state, policy, v.windows),
-    "lookup": lambda state, policy, v: LookupDrafts(state, policy),
-    "drafter": lambda state, policy, v: ModelDrafts(state, policy, v.drafter),
-    "lookup+drafter": lambda state, policy, v: ModelDrafts(state, policy, v.drafter, lookup=True),
-}
+DRAFTS = {"window": WindowDrafts, "lookup": LookupDrafts, "drafter": ModelDrafts, "lookup+drafter": LookupModelDrafts}

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from r2lm.generation.contexts import ExactCache
-from r2lm.generation.drafts import DRAFTS, drafted_outcomes
+from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
 from r2lm.generation.policy import Policy, Proposal, policy_of
 from r2lm.generation.sampling import propose
@@ -159,8 +159,9 @@ def decode_verified(model, r) -> GenerateOutput:
     v, ids = r.verifying, r.prompt.input_ids
     b = v.block_size
     policy: Policy = policy_of(v.policy)
-    s = Verification(model, r, b * (len(drafted_outcomes(b, v.windows)) + 1) if v.draft == "window" else b)
-    drafts = DRAFTS[v.draft](s, policy, v)
+    kind = DRAFTS[v.draft]
+    s = Verification(model, r, kind.room(v))
+    drafts = kind(s, policy, v)
     policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model,
                  drafts.key)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps

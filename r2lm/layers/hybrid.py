@@ -1,4 +1,4 @@
-"""Block-hybrid attention (LLaDA-Hybrid, after LoLCATs; DESIGN 1.2).
+"""Block-hybrid attention (LLaDA-Hybrid, after LoLCATs; docs/design.md 1.2).
 
 Queries attend exactly (softmax) to the keys of their own chunk, and through linear attention to every clean
 key of earlier chunks, with one shared normaliser:

@@ -1,4 +1,4 @@
-"""The reverse Mamba sidecar (R2LM, DESIGN 1.1): compressed right-side context for the active window.
+"""The reverse Mamba sidecar (R2LM, docs/design.md 1.1): compressed right-side context for the active window.
 
     u = RMSNorm(h[window]);  r = Mamba2_reverse(u);  h[window] += tanh(gate) * r
 

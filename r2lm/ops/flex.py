@@ -1,4 +1,4 @@
-"""Block-sparse attention from a Layout's predicate (DESIGN 6, invariant 9).
+"""Block-sparse attention from a Layout's predicate (docs/design.md 6, invariant 9).
 
 `block_sparse(layout, kind, part)` evaluates the layout's `mask_mod` once, a bounded batch of tiles at a time (never a
 [T, T] mask), into the non-empty tiles of the [T, T] pairs:

@@ -1,6 +1,6 @@
 """Cross-request prefix reuse: the block store (PrefixCache, used as generate(..., prefix_cache=...)), which
 blocks to keep (eviction) and where to keep recurrent-state checkpoints along a cached sequence (placement).
-See notes/prefix_caching.md sections 2 and 3. BiCache (section 1) is the separate, APPROXIMATE shallow-layer reuse of
+See docs/notes/prefix_caching.md sections 2 and 3. BiCache (section 1) is the separate, APPROXIMATE shallow-layer reuse of
 a shared prefix for bidirectional models."""
 
 from r2lm.prefix.bicache import BiCache, SafeDepthTable, prefix_ratio, profile

@@ -1,5 +1,5 @@
 """BiCache: APPROXIMATE cross-request reuse of a shared prefix's keys and values in bidirectional models
-(notes/prefix_caching.md section 1, after Go et al., "Enabling KV Caching of Shared Prefix for Diffusion Language
+(docs/notes/prefix_caching.md section 1, after Go et al., "Enabling KV Caching of Shared Prefix for Diffusion Language
 Models", EMNLP 2026).
 
 Under bidirectional attention a prefix's K/V depend on every token after it, so no reuse is exact. In shallow layers

@@ -1,4 +1,4 @@
-"""PrefixCache: clean-context keys and values shared across requests (DESIGN section 5, issue "prefix reuse").
+"""PrefixCache: clean-context keys and values shared across requests (docs/design.md section 5, issue "prefix reuse").
 
 Token blocks of `block_tokens` form a tree keyed by chained hashes of (parent key, block tokens), as in vLLM;
 a hit compares the stored tokens too, so a hash collision is a miss, never a wrong answer. Each block holds the

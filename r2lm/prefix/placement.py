@@ -1,6 +1,6 @@
 """Where to keep exact recurrent-state checkpoints along a cached sequence (sparse prefix caching).
 
-Model (notes/prefix_caching.md section 2). A cached sequence has tokens 1..N; a future request shares its first
+Model (docs/notes/prefix_caching.md section 2). A cached sequence has tokens 1..N; a future request shares its first
 d tokens, d ~ P(d). With checkpoints K = {k_1 < ... < k_m} the request resumes from the deepest k_j <= d (or
 from the free origin 0) and recomputes the tokens in between, which costs C(d) - C(k_j) for a cumulative cost
 C with C(0) = 0 (C(t) = t for a pure SSM; alpha t + beta t(t+1)/2 for a hybrid whose attention grows with

@@ -325,7 +325,7 @@ def test_converters_write_the_decoding_options(tmp_path):
 
 
 def unfused_generate(model, ids, mask, n, b, threshold):
-    """The block decoder of DESIGN 4 written with the public three uses of the forward and a separate commit
+    """The block decoder of docs/design.md 4 written with the public three uses of the forward and a separate commit
     forward per finished block: prefill, denoise until the block is clean, commit, next block."""
     from r2lm.generation.sampling import select
 

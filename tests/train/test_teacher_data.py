@@ -323,7 +323,7 @@ def test_a_run_on_an_out_in_use_is_refused_naming_the_holder(inputs, weightless,
 
 def test_transformers_teacher_and_its_r2lm_conversion_agree(tmp_path):
     """The original pretrained model as teacher: a transformers causal LM decodes with its own greedy generate(),
-    and the R2LM converted from it (gates at 0) with --block-size 1 gives the same records (DESIGN invariant 3)."""
+    and the R2LM converted from it (gates at 0) with --block-size 1 gives the same records (docs/design.md invariant 3)."""
     from r2lm.convert.__main__ import main as convert_main
 
     tokenizer = tiny_tokenizer()
