@@ -24,6 +24,7 @@ import torch
 from r2lm.checkpoints import OVERWRITE_HELP
 from r2lm.checkpoints.export import export_deepspeed_checkpoint
 from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.convert.drafter import export_drafter
 from r2lm.convert.from_hf import convert_from_hf
 from r2lm.convert.importers import add_parsers
 from r2lm.convert.merge_lora import merge_lora
@@ -198,8 +199,6 @@ def add_drafter(sub) -> None:
 
 
 def run_drafter(args) -> None:
-    from r2lm.convert.drafter import export_drafter
-
     export_drafter(args.src, args.dst, args.target, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
 
 

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import torch
 
+from r2lm.checkpoints.training import STATE_FILE
 from r2lm.checkpoints.writing import atomic_output_dir, check_destination
+from r2lm.drafter import Drafter, target_digest
+from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
 
 
 def export_drafter(src, dst, target_dir, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
-    from r2lm import R2LMForDiffusionLM
-    from r2lm.checkpoints.training import STATE_FILE
-    from r2lm.drafter import Drafter, target_digest
-
     src, target_dir = Path(src), Path(target_dir)
     dst = check_destination(dst, [src, target_dir], overwrite, needed_bytes=0)
     if (src / STATE_FILE).is_file():  # a checkpoint of the run: its DeepSpeed shards
