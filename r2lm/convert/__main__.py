@@ -148,18 +148,21 @@ def run_to_hybrid(args) -> None:
 def add_to_hf(sub) -> None:
     p = sub.add_parser(
         "to-hf",
-        help="R2LM checkpoint without extra layers -> transformers Qwen3 / Qwen2 / Llama checkpoint",
-        description="Export the backbone of a causal R2LM checkpoint that has no sidecar or hybrid layers as the "
-        "transformers model it is (Qwen3 with qk_norm, Qwen2 with q/k/v bias, otherwise Llama).",
+        help="causal R2LM checkpoint -> transformers Qwen3 / Qwen2 / Llama checkpoint",
+        description="Export the backbone of a causal R2LM checkpoint without hybrid layers as the transformers model "
+        "it is (Qwen3 with qk_norm, Qwen2 with q/k/v bias, otherwise Llama); one with sidecars with --drop-sidecars.",
     )
     p.add_argument("src", help="R2LM checkpoint folder")
     p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--drop-sidecars", action="store_true",
+                   help="export a causal R2LM with sidecars as its backbone: the forward AR and verified decoding run "
+                        "(servable by vLLM, llama.cpp, transformers); the window drafts are lost")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_to_hf)
 
 
 def run_to_hf(args) -> None:
-    convert_to_hf(args.src, args.dst, overwrite=args.overwrite)
+    convert_to_hf(args.src, args.dst, overwrite=args.overwrite, drop_sidecars=args.drop_sidecars)
 
 
 def add_merge_lora(sub) -> None:

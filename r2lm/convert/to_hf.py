@@ -95,7 +95,11 @@ def transformers_backbone(model: R2LMForDiffusionLM):
     return hf
 
 
-def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
+def convert_to_hf(src, dst, overwrite: bool = False, drop_sidecars: bool = False) -> Path:
+    """Export SRC's backbone. With `drop_sidecars`, a causal R2LM with (trained) sidecars too: what remains is the
+    forward verified decoding and AR decoding run (the sidecars only ever touch a diffusion window), so a serving
+    engine that runs the stock architecture (vLLM, llama.cpp, transformers) writes the model's own greedy text; what
+    is lost is its window drafts. Hybrid layers and block-causal attention change every forward: refused."""
     src = Path(src)
     dst = check_destination(dst, [src], overwrite)
     if read_config(src).get("model_type") != "r2lm":
@@ -103,6 +107,19 @@ def convert_to_hf(src, dst, overwrite: bool = False) -> Path:
     check_weights(src)
     model = R2LMForDiffusionLM.from_pretrained(src)
     check_finite(model.state_dict(), src)
+    config = model.config
+    if config.hybrid_layers:
+        raise ValueError(f"{src} has block-hybrid layers {config.hybrid_layers}: their linear attention over committed "
+                         "blocks is part of every forward, and no stock architecture computes it")
+    if config.kind.attention != ATTENTION["causal"]:
+        raise ValueError(f"{src} has {config.attention!r} attention: a stock causal LM attends token-causally, so it "
+                         "would compute another model")
+    if config.sidecar_layers:
+        if not drop_sidecars:
+            raise ValueError(f"{src} has sidecars on layers {config.sidecar_layers}, which transformers has no layer "
+                             "for; --drop-sidecars exports the backbone without them (exactly the forward AR and "
+                             "verified decoding run: only the window drafts are lost)")
+        model = without_sidecars(model)
     hf = transformers_backbone(model)
     write_checkpoint(hf, dst, src, overwrite)
     logger.info("exported the %s backbone of %s (%d parameters)", architecture_of(model.config), src,

@@ -16,7 +16,7 @@ from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import load_tokenizer
 from r2lm.convert.__main__ import main
 from r2lm.convert.from_hf import convert_from_hf
-from tests.helpers.models import tiny_hf_config, tiny_r2lm, tiny_tokenizer
+from tests.helpers.models import sharp_hf, tiny_hf_config, tiny_r2lm, tiny_tokenizer
 
 
 @pytest.fixture
@@ -183,14 +183,46 @@ def test_to_hf_round_trip(arch, tmp_path):
         torch.testing.assert_close(back(ids).logits[..., :96], hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_to_hf_refuses_extra_layers(tmp_path):
+def test_to_hf_refuses_extra_layers(tmp_path, capsys):
+    """Sidecars without --drop-sidecars, block-hybrid layers and block-causal attention are refused, naming why
+    (issue 38: before, a checkpoint with sidecars could not be served at all)."""
+    cases = [(dict(sidecar_layers=[1]), [], "has sidecars on layers [1], which transformers has no layer for; "
+                                             "--drop-sidecars"),
+             (dict(sidecar_layers=[], hybrid_layers=[1], hybrid_feature_dim=8), ["--drop-sidecars"],
+              "has block-hybrid layers [1]"),
+             (dict(sidecar_layers=[1], attention="block_causal"), ["--drop-sidecars"], "has 'block_causal' attention")]
+    for i, (fields, flags, message) in enumerate(cases):
+        tiny_r2lm(**fields).save_pretrained(tmp_path / f"r2lm{i}")
+        assert main(["to-hf", str(tmp_path / f"r2lm{i}"), str(tmp_path / f"out{i}"), *flags]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / f"out{i}").exists()
 
-    tiny_r2lm(sidecar_layers=[1]).save_pretrained(tmp_path / "r2lm")
-    with pytest.raises(ValueError, match="no transformers counterpart"):
-        from r2lm.convert.to_hf import convert_to_hf
 
-        convert_to_hf(tmp_path / "r2lm", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+def test_to_hf_drop_sidecars_exports_the_verified_forward(tmp_path):
+    """A causal R2LM with open (trained) sidecars, exported with --drop-sidecars: transformers' greedy generate of the
+    export is the R2LM's verify=True output and its AR decoding, token for token; its logits are the R2LM's clean
+    forward's (which sidecars never touch)."""
+    from transformers import AutoModelForCausalLM
+
+    from r2lm import generate
+
+    sharp_hf("qwen3").save_pretrained(tmp_path / "hf")  # clear argmaxes: two implementations agree to rounding only
+    convert_from_hf(tmp_path / "hf", tmp_path / "r2lm", sidecar_layers=[0, 2], sidecar_headdim=16, sidecar_d_state=8)
+    model = R2LMForDiffusionLM.from_pretrained(tmp_path / "r2lm").eval()
+    with torch.no_grad():  # sidecars that matter, as trained ones do
+        for layer in model.model.layers:
+            if layer.sidecar is not None:
+                layer.sidecar.gate.fill_(0.7)
+    model.save_pretrained(tmp_path / "trained")
+    assert main(["to-hf", str(tmp_path / "trained"), str(tmp_path / "stock"), "--drop-sidecars"]) == 0
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "stock").eval()
+    assert stock.config.model_type == "qwen3"
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+        greedy = stock.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    verified = generate(model, ids, max_new_tokens=12, verify=True, block_size=4, verify_draft="lookup", eos_token_id=[])
+    assert torch.equal(verified.sequences, greedy)
 
 
 # ---------------------------------------------------------------- issue 32: GGUF files, tokenizers, generation configs
