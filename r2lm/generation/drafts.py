@@ -204,7 +204,10 @@ class ModelDrafts(CleanDrafts):
     """A drafter model (r2lm.drafter) reading the target's outputs at its feature layers, captured by every
     verification forward: the committed columns' go into the drafter's context cache (as the target's keys go into
     the target's), then, where the policy finds it worth its forward, it drafts from the new last committed token.
-    The first forward appends the prompt and takes AR's first token (the drafter needs the prompt's features)."""
+    The first forward appends the prompt and takes AR's first token (the drafter needs the prompt's features).
+
+    The captured columns are appended when the drafter next drafts, all at once (the same keys and values, in the
+    same positions): while the policy finds the drafter not worth its forward, the steps cost what AR steps do."""
 
     sources = ("drafter",)
 
@@ -217,6 +220,7 @@ class ModelDrafts(CleanDrafts):
         # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b)
         self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b
                                            + drafter.config.block_size)
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # (captured, valid) not appended yet
 
     def free(self) -> Proposal | None:
         """The drafts at hand without the drafter's forward (none here; LookupModelDrafts: prompt lookup's)."""
@@ -231,12 +235,13 @@ class ModelDrafts(CleanDrafts):
         # every column the forward read, those a row did not commit invalid (no host sync to trim them)
         kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
         kept = kept < length[:, None]
-        self.drafter.append(self.context, captured, kept if head is None else torch.cat([head, kept], 1))
+        self.pending.append((captured, kept if head is None else torch.cat([head, kept], 1)))
         free = self.free()
         # (with lookup, the policy reads its drafts on the host: a second host read per iteration, in this mode only)
         at_hand = None if free is None else free.host()
         if not self.policy.worth("drafter", at_hand, len(s.rows)):
             return free if free is not None else self.nothing()
+        self.catch_up()
         opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
         draft, confidence = self.drafter.draft(self.context, opener, confidence=True)
         drafted = self.proposal(*fit(draft, confidence, s.b, s.mask_id), "drafter")
@@ -252,8 +257,19 @@ class ModelDrafts(CleanDrafts):
         openers = torch.zeros(rows, dtype=torch.long, device=s.device)
         return lambda: drafter.draft(context, openers, confidence=True)
 
+    def catch_up(self) -> None:
+        """Append every column captured since the drafter last drafted."""
+        if len(self.pending) == 1:
+            captured, valid = self.pending[0]
+        else:
+            captured = [torch.cat(layer, 1) for layer in zip(*(c for c, _ in self.pending), strict=True)]
+            valid = torch.cat([v for _, v in self.pending], 1)
+        self.drafter.append(self.context, captured, valid)
+        self.pending = []
+
     def keep_rows(self, stay) -> None:
         self.context.keep_rows(stay)
+        self.pending = [([h[stay] for h in captured], valid[stay]) for captured, valid in self.pending]
 
 
 class LookupModelDrafts(ModelDrafts):

@@ -4,10 +4,11 @@ A draft pays only where it is accepted often enough to cover what it costs: on a
 7 draft tokens costs about 1.4 AR steps at batch 1 and 2 at batch 8, and a drafter's own forward a third of one.
 So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
 
-- acceptance, per draft source: the share of submitted tokens accepted, by the source's confidence in the token
-  and its position in the draft (10 confidence buckets x the first, second, third and later tokens: shared by the
-  rows and kept for the model across calls) and per row (this call's running rate, which scales the cells'
-  estimate): q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
+- acceptance, per draft source: the share of submitted tokens accepted, pooled (a new source starts at an even
+  chance and is known within a few steps), by the source's confidence in the token and its position in the draft
+  (10 confidence buckets x the first, second, third and later tokens, each drawn towards the pooled rate: kept for
+  the model and drafter across calls), and per row (this call's running rate, which scales the cells' estimate):
+  q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
   on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
 - cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
   and D(R), a drafter forward's.
@@ -41,8 +42,9 @@ from r2lm.generation.costs import StepCosts
 
 BUCKETS = 10  # confidence buckets of a source's acceptance estimate
 POSITIONS = 4  # positions in the draft it tells apart (the first, second, third, any later one)
-PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts of a bucket never observed: an even chance
-SOURCE_DECAY = 0.995  # per observed step: a source's buckets follow a drifting text slowly
+PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts of a source never observed: an even chance
+CELL_PRIOR = 2.0  # pseudo-tries at the pooled rate of a (confidence, position) cell
+SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting text slowly
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.02  # probing a source the estimates rule out costs at most this share of AR time
@@ -121,32 +123,36 @@ class Longest(Policy):
 
 
 class Acceptance:
-    """A draft source's acceptance estimate by confidence bucket and position in the draft (the first token, the
-    second, ... POSITIONS - 1 and later: a copied or well-predicted span, once its first token is right, tends to go
-    on), kept for a model across calls."""
+    """A draft source's acceptance estimate, kept for a model across calls: pooled over all its tokens (which learns
+    within a few steps whether the source is any good), and by confidence bucket and position in the draft (the
+    first token, the second, ... POSITIONS - 1 and later: a copied or well-predicted span, once its first token is
+    right, tends to go on), each cell drawn towards the pooled rate until it has its own observations."""
 
     def __init__(self):
-        self.accepted = np.full((BUCKETS, POSITIONS), PRIOR[0])
-        self.tried = np.full((BUCKETS, POSITIONS), PRIOR[1])
+        self.pooled = np.array(PRIOR)  # (accepted, tried)
+        self.accepted = np.zeros((BUCKETS, POSITIONS))
+        self.tried = np.zeros((BUCKETS, POSITIONS))
 
     @staticmethod
     def cell(confidence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         bucket = np.minimum((np.clip(confidence, 0, 1) * BUCKETS).astype(np.int64), BUCKETS - 1)
         return bucket, np.minimum(position, POSITIONS - 1)
 
+    def rate(self) -> float:
+        """The pooled rate: accepted / tried over every observation, with the prior's pseudo-counts."""
+        return float(self.pooled[0] / self.pooled[1])
+
     def q(self, confidence: np.ndarray) -> np.ndarray:
         """[R, b] estimates for drafts' tokens (confidence [R, b], positions 0 .. b - 1)."""
         position = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
-        return (self.accepted / self.tried)[self.cell(confidence, position)]
-
-    def rate(self) -> float:
-        """The source's acceptance rate over every bucket's observations (its prior mean when none)."""
-        seen = float((self.tried - PRIOR[1]).sum())
-        return float((self.accepted - PRIOR[0]).sum()) / seen if seen > 0 else PRIOR[0] / PRIOR[1]
+        index = self.cell(confidence, position)
+        return (self.accepted[index] + CELL_PRIOR * self.rate()) / (self.tried[index] + CELL_PRIOR)
 
     def update(self, confidence: np.ndarray, position: np.ndarray, accepted: np.ndarray) -> None:
-        self.accepted = (self.accepted - PRIOR[0]) * SOURCE_DECAY + PRIOR[0]
-        self.tried = (self.tried - PRIOR[1]) * SOURCE_DECAY + PRIOR[1]
+        decay = SOURCE_DECAY ** max(len(accepted), 1)
+        self.pooled = (self.pooled - PRIOR) * decay + PRIOR + np.array([accepted.sum(), len(accepted)])
+        self.accepted *= SOURCE_DECAY
+        self.tried *= SOURCE_DECAY
         index = self.cell(confidence, position)
         np.add.at(self.accepted, index, accepted.astype(np.float64))
         np.add.at(self.tried, index, 1.0)
