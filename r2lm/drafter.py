@@ -18,6 +18,10 @@ several of its own greedy tokens at once. Whatever it drafts, the committed text
               frequent in the training data, EOS among them; all of them when 0): block column j proposes the
               token after the one j positions past the block's first
 
+Layout "dflash" (DrafterConfig.layout) is vLLM's DFlash drafter instead, exactly: the raw captured layers fused and
+normed into the context's K/V (no per-layer norms, no layer input norm before them), no direct path, q/k norm in every
+layer; `r2lm-convert drafter-to-dflash` writes it as the folder vLLM's `dflash` speculative method loads.
+
 A drafter is saved on its own (`save_pretrained`: its layers, fusion, mask vector and draft vocabulary, not the
 target's weights) and bound to its target at use (`bind`), which refuses a target of another hidden size,
 vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (the target frozen).
@@ -53,6 +57,11 @@ from r2lm.plan import ForwardPlan, plan_of
 from r2lm.prefix.identity import ModelIdentity
 
 IN_BLOCK = ("bidirectional", "causal")
+# "r2lm": each captured layer normalised before fusing, each drafter layer's input norm before its context K/V, the
+# last context token's features added to every block column (the direct path). "dflash": vLLM's DFlash computation
+# (vllm/model_executor/models/qwen3_dflash.py), so that `r2lm-convert drafter-to-dflash` exports it exactly: the raw
+# captured layers fused, the fusion's norm the context K/V's only input norm, no direct path, q/k norm in every layer.
+LAYOUTS = ("r2lm", "dflash")
 
 
 class DrafterConfig(PretrainedConfig):
@@ -64,6 +73,7 @@ class DrafterConfig(PretrainedConfig):
     rms_norm_eps, rope_parameters, max_position_embeddings, qk_norm: the drafter's decoder layers (the target's
     attention geometry and RoPE by default: `for_target`).
     block_size: the draft length b. in_block: "bidirectional" or "causal" attention inside the block.
+    layout: "r2lm" or "dflash" (LAYOUTS: which computation reads the context; "dflash" is vLLM's DFlash drafter).
     sidecar: a reverse Mamba sidecar over the block on every drafter layer (sidecar_d_state, sidecar_headdim,
     sidecar_expand: its shape). draft_vocab_size: the rows of the LM head it drafts from (0: every token)."""
 
@@ -76,7 +86,8 @@ class DrafterConfig(PretrainedConfig):
                  max_position_embeddings: int = 8192, qk_norm: bool = False, block_size: int = 8,
                  in_block: str = "bidirectional", sidecar: bool = False, sidecar_d_state: int = 32,
                  sidecar_headdim: int = 64, sidecar_expand: int = 1, draft_vocab_size: int = 0,
-                 initializer_range: float = 0.02, target_digest: str | None = None, **kwargs):
+                 initializer_range: float = 0.02, target_digest: str | None = None, layout: str = "r2lm",
+                 **kwargs):
         self.target_hidden_size, self.target_vocab_size = target_hidden_size, target_vocab_size
         self.target_num_hidden_layers = target_num_hidden_layers
         self.feature_layers = list(feature_layers)
@@ -85,7 +96,7 @@ class DrafterConfig(PretrainedConfig):
         self.hidden_act, self.rms_norm_eps = hidden_act, rms_norm_eps
         self.rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
         self.max_position_embeddings, self.qk_norm, self.block_size = max_position_embeddings, qk_norm, block_size
-        self.in_block, self.sidecar = in_block, sidecar
+        self.in_block, self.sidecar, self.layout = in_block, sidecar, layout
         self.sidecar_d_state, self.sidecar_headdim, self.sidecar_expand = sidecar_d_state, sidecar_headdim, sidecar_expand
         self.draft_vocab_size, self.initializer_range = draft_vocab_size, initializer_range
         self.target_digest = target_digest  # which target it was trained for (`target_digest`): bind() warns on another
@@ -107,6 +118,11 @@ class DrafterConfig(PretrainedConfig):
             raise ValueError(f"feature_layers lists a layer twice: {self.feature_layers}")
         if self.in_block not in IN_BLOCK:
             raise ValueError(f"in_block must be one of {IN_BLOCK}, got {self.in_block!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "dflash" and (self.sidecar or not self.qk_norm):
+            raise ValueError("layout 'dflash' is vLLM's DFlash drafter, whose layers are Qwen3's: qk_norm=True and no "
+                             f"sidecar (got qk_norm={self.qk_norm}, sidecar={self.sidecar})")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.target_vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}], got {self.draft_vocab_size!r}")
         if isinstance(self.initializer_range, bool) or not isinstance(self.initializer_range, int | float) \
@@ -128,7 +144,8 @@ class DrafterConfig(PretrainedConfig):
                       num_key_value_heads=target_config.num_key_value_heads, head_dim=target_config.head_dim,
                       intermediate_size=target_config.intermediate_size, hidden_act=target_config.hidden_act,
                       rms_norm_eps=target_config.rms_norm_eps, rope_parameters=target_config.rope_parameters,
-                      max_position_embeddings=target_config.max_position_embeddings, qk_norm=target_config.qk_norm)
+                      max_position_embeddings=target_config.max_position_embeddings,
+                      qk_norm=target_config.qk_norm or choices.get("layout") == "dflash")
         layers, mine = target_config.num_hidden_layers, choices.get("num_hidden_layers", 1)
         # low to high, evenly; with the output of the layer under the drafter's copy of the top layers (`start_from`:
         # its keys and values are then the target's own) and the last layer's
@@ -176,7 +193,8 @@ class Drafter(PreTrainedModel):
         width = config.target_hidden_size
         self.fuse = Linear(len(config.feature_layers) * width, width, bias=False)
         self.fuse_norm = RMSNorm(width, eps=config.rms_norm_eps)
-        self.direct = Linear(width, width, bias=False)  # the last context token's features, into every block column
+        # the last context token's features, into every block column (layout "r2lm"; DFlash has no such path)
+        self.direct = Linear(width, width, bias=False) if config.layout == "r2lm" else None
         self.layers = nn.ModuleList(R2LMDecoderLayer(self.stack, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.stack)
@@ -288,14 +306,16 @@ class Drafter(PreTrainedModel):
         """Initialise from the target: the drafter's layers are copies of its top layers (attention and MLP; a
         sidecar stays as it is) and its final norm the target's; where the output of the layer just under them is a
         feature, the fusion starts as that feature alone, so the context's keys and values are at first exactly the
-        ones the target's own top layers compute; the direct path starts as the identity (the block reads the state
-        just before it). Needs the target's layer shapes (a drafter made with `DrafterConfig.for_target`)."""
+        ones the target's own top layers compute (in the "dflash" layout, whose context K/V have no input norm of
+        their own, the fusion's norm starts as the first layer's input norm; its q/k norms, which a Llama target lacks,
+        start as ones); the direct path starts as the identity (the block reads the state just before it). Needs the
+        target's layer shapes (a drafter made with `DrafterConfig.for_target`)."""
         count = len(target.model.layers)
         top = target.model.layers[count - len(self.layers):]
         for mine, theirs in zip(self.layers, top, strict=True):
             state = {k: v for k, v in theirs.state_dict().items() if not k.startswith("sidecar.")}
             missing = mine.load_state_dict(state, strict=False).missing_keys
-            if any(not k.startswith("sidecar.") for k in missing):
+            if any(not k.startswith(("sidecar.", "self_attn.q_norm.", "self_attn.k_norm.")) for k in missing):
                 raise ValueError(f"the drafter's layers differ from the target's: {missing[:3]}")
         self.norm.weight.copy_(target.model.norm.weight)
         below, width = count - len(self.layers) - 1, self.config.target_hidden_size
@@ -303,13 +323,18 @@ class Drafter(PreTrainedModel):
             slot = self.config.feature_layers.index(below)
             self.fuse.weight.zero_()[:, slot * width : (slot + 1) * width] = torch.eye(width)
             self.fuse_norm.weight.fill_(1.0)
-        self.direct.weight.copy_(torch.eye(width))
+        if self.direct is None:
+            self.fuse_norm.weight.copy_(self.layers[0].input_layernorm.weight)
+        else:
+            self.direct.weight.copy_(torch.eye(width))
 
     # ------------------------------------------------------------------ context
 
     def features(self, captured) -> torch.Tensor:
         """Fused context features [B, T, hidden] from the target's captured layer outputs (each [B, T, hidden])."""
         dtype = self.fuse.weight.dtype
+        if self.config.layout == "dflash":
+            return self.fuse_norm(self.fuse(torch.cat([h.to(dtype) for h in captured], -1)))
         parts = [(h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) for h in captured]
         return self.fuse_norm(self.fuse(torch.cat(parts, -1)))
 
@@ -319,19 +344,20 @@ class Drafter(PreTrainedModel):
         return DraftContext(KVCache(self.stack, batch, max_length, like.dtype, like.device),
                             torch.zeros(batch, self.config.target_hidden_size, dtype=like.dtype, device=like.device))
 
-    def append(self, context: DraftContext, captured, valid: torch.Tensor | int) -> torch.Tensor:
+    def append(self, context: DraftContext, captured, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append committed tokens to the context: `captured` the target's outputs at feature_layers for them
-        ([B, T, hidden] each), `valid` [B, T] which of the T columns are real (or an int: all of them). Returns
+        ([B, T, hidden] each), `valid` [B, T] which of the T columns are real (None: all of them). Returns
         their fused features [B, T, hidden]."""
         cache, c = context.kv, self.features(captured)
-        mask = torch.ones(c.shape[:2], dtype=torch.long, device=c.device) if isinstance(valid, int) else valid.long()
+        mask = torch.ones(c.shape[:2], dtype=torch.long, device=c.device) if valid is None else valid.long()
         layout = Layout.span(mask, start=cache.next_position)
         cos, sin = self.rotary_emb(c, layout.positions)
         columns = cache.columns[cache.length : cache.length + c.shape[1]]
+        own_norm = self.config.layout == "r2lm"  # DFlash: the fusion's norm is the context K/V's only input norm
         for i, layer in enumerate(self.layers):
-            _, k, v = layer.self_attn.project(layer.input_layernorm(c), cos, sin)
+            _, k, v = layer.self_attn.project(layer.input_layernorm(c) if own_norm else c, cos, sin)
             cache.update(i, k, v, columns, cache.length + c.shape[1])
-        cache.advance(valid if isinstance(valid, int) else valid.bool())
+        cache.advance(c.shape[1] if valid is None else valid.bool())
         # each row's last real column: what the block's direct path reads (rows with none keep theirs)
         cols = torch.arange(c.shape[1], device=c.device)
         last = torch.where(mask.bool(), cols, -1).amax(1)
@@ -348,7 +374,7 @@ class Drafter(PreTrainedModel):
         bound = self._bound()
         first = bound.embed(openers.reshape(-1, 1)).detach().to(bound.rows.dtype)  # the target's: frozen
         h = torch.cat([first, self.mask_embedding.to(first.dtype).expand(first.shape[0], width - 1, -1)], 1)
-        return h + self.direct(last)[:, None]
+        return h if self.direct is None else h + self.direct(last)[:, None]
 
     def hidden(self, h: torch.Tensor, plan, cache: KVCache, norm: bool = True) -> torch.Tensor:
         for layer in self.layers:
@@ -436,9 +462,10 @@ class Drafter(PreTrainedModel):
         dtype = bound.rows.dtype
         inputs = torch.where(first[..., None], bound.embed(ids.gather(1, inside)).detach().to(dtype),
                              self.mask_embedding.to(dtype))  # the target's embeddings: frozen
-        before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
-        last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
-        inputs = inputs + self.direct(last)
+        if self.direct is not None:
+            before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
+            last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
+            inputs = inputs + self.direct(last)
         block = torch.arange(count, device=device).repeat_interleave(b)
         own = block[:, None] == block[None, :]
         if self.stack.kind.attention.causal:  # in_block="causal"

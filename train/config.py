@@ -81,6 +81,9 @@ class DrafterSection:
                         choices=("bidirectional", "causal"))
     sidecar: bool = opt(False, "objective drafter: a reverse Mamba sidecar over the block on every drafter layer "
                         "(right-side context inside the block)")
+    layout: str = opt("r2lm", "objective drafter: r2lm's own drafter computation, or vLLM's DFlash drafter (dflash: "
+                      "q/k norm, no sidecar; r2lm-convert drafter-to-dflash exports it for vLLM's speculative method)",
+                      choices=("r2lm", "dflash"))
     block_size: int = opt(8, "objective drafter: the draft length b (tokens drafted per verification)")
     feature_layers: Any = opt(None, "objective drafter: the target layers whose outputs it reads (default: five, from "
                               "the first to the last, evenly spaced)", kind=list)
@@ -109,7 +112,7 @@ class DrafterSection:
 
     def choices(self) -> dict:
         """The DrafterConfig fields this section sets."""
-        out = dict(num_hidden_layers=self.layers, in_block=self.in_block, sidecar=self.sidecar,
+        out = dict(num_hidden_layers=self.layers, in_block=self.in_block, sidecar=self.sidecar, layout=self.layout,
                    block_size=self.block_size, draft_vocab_size=self.draft_vocab_size)
         if self.feature_layers is not None:
             out["feature_layers"] = list(self.feature_layers)

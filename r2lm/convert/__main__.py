@@ -24,6 +24,7 @@ import torch
 from r2lm.checkpoints import OVERWRITE_HELP
 from r2lm.checkpoints.export import export_deepspeed_checkpoint
 from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.convert.dflash import export_dflash
 from r2lm.convert.drafter import export_drafter
 from r2lm.convert.from_hf import convert_from_hf
 from r2lm.convert.importers import add_parsers
@@ -205,6 +206,27 @@ def run_drafter(args) -> None:
     export_drafter(args.src, args.dst, args.target, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
 
 
+def add_drafter_to_dflash(sub) -> None:
+    p = sub.add_parser(
+        "drafter-to-dflash",
+        help="a drafter of layout dflash -> the folder vLLM's DFlash speculative method loads",
+        description="Write a drafter trained with drafter.layout=dflash as vLLM's DFlash drafter (config.json with "
+        "dflash_config, model.safetensors, mask_embedding.pt), for the target MODEL, which vLLM serves as exported by "
+        "`r2lm-convert to-hf --drop-sidecars`. A drafter of r2lm's own layout, or made for another target, is refused. "
+        "Serve with --speculative-config '{\"method\": \"dflash\", \"model\": DST, \"num_speculative_tokens\": "
+        "BLOCK_SIZE - 1}' (scripts/serve.sh does all of it).",
+    )
+    p.add_argument("src", help="drafter folder, or a checkpoint of a train/pretrain.py objective=drafter run")
+    p.add_argument("dst", help="output folder (written atomically)")
+    p.add_argument("--target", required=True, help="the R2LM checkpoint the drafter drafts for")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.set_defaults(run=run_drafter_to_dflash)
+
+
+def run_drafter_to_dflash(args) -> None:
+    export_dflash(args.src, args.dst, args.target, overwrite=args.overwrite)
+
+
 def add_importers(sub) -> None:
     """from-llada, from-dream, from-llada2: pretrained diffusion-LM checkpoints -> R2LM (convert/importers.py)."""
     add_parsers(sub, DTYPES, layer_list)
@@ -220,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_to_hf(sub)
     add_merge_lora(sub)
     add_drafter(sub)
+    add_drafter_to_dflash(sub)
     add_importers(sub)
     return parser
 

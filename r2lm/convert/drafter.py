@@ -23,15 +23,19 @@ from r2lm.modeling_r2lm import R2LMForDiffusionLM
 logger = logging.getLogger(__name__)
 
 
+def load_drafter(src: Path) -> Drafter:
+    """The drafter of a drafter folder or of a drafter run's checkpoint (reassembled from its DeepSpeed shards)."""
+    if (src / STATE_FILE).is_file():
+        return Drafter.from_training_checkpoint(src)
+    if (src / "config.json").is_file():
+        return Drafter.from_pretrained(src)
+    raise ValueError(f"{src} is neither a drafter folder (no config.json) nor a drafter run's checkpoint")
+
+
 def export_drafter(src, dst, target_dir, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
     src, target_dir = Path(src), Path(target_dir)
     dst = check_destination(dst, [src, target_dir], overwrite, needed_bytes=0)
-    if (src / STATE_FILE).is_file():  # a checkpoint of the run: its DeepSpeed shards
-        drafter = Drafter.from_training_checkpoint(src)
-    elif (src / "config.json").is_file():
-        drafter = Drafter.from_pretrained(src)
-    else:
-        raise ValueError(f"{src} is neither a drafter folder (no config.json) nor a drafter run's checkpoint")
+    drafter = load_drafter(src)
     target = R2LMForDiffusionLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     drafter.check_target(target.config)
     drafter.config.target_digest = target_digest(target)

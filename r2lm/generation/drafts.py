@@ -253,7 +253,7 @@ class ModelDrafts(CleanDrafts):
         hidden = drafter.config.target_hidden_size
         captured = [torch.zeros(rows, max(s.prompt_len, COST_CONTEXT), hidden, dtype=s.model.dtype, device=s.device)
                     for _ in self.capture]
-        drafter.append(context, captured, 1)
+        drafter.append(context, captured)
         openers = torch.zeros(rows, dtype=torch.long, device=s.device)
         return lambda: drafter.draft(context, openers, confidence=True)
 
