@@ -120,6 +120,9 @@ class DrafterConfig(PretrainedConfig):
             raise ValueError(f"in_block must be one of {IN_BLOCK}, got {self.in_block!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "dflash" and self.block_size < 2:
+            raise ValueError("layout 'dflash' drafts block_size - 1 tokens (its first column is the last committed "
+                             "token's): block_size must be at least 2")
         if self.layout == "dflash" and (self.sidecar or not self.qk_norm):
             raise ValueError("layout 'dflash' is vLLM's DFlash drafter, whose layers are Qwen3's: qk_norm=True and no "
                              f"sidecar (got qk_norm={self.qk_norm}, sidecar={self.sidecar})")
@@ -134,6 +137,12 @@ class DrafterConfig(PretrainedConfig):
         if self.target_digest is not None and not isinstance(self.target_digest, str):
             raise ValueError(f"target_digest must be a string (target_digest(target)), got {self.target_digest!r}")
         self.stack_config()  # the layers' own checks (heads, RoPE, sidecar shape)
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens one block drafts: r2lm's layout reads a guess off every column (column j: the token j + 1 past the
+        opener); DFlash's off the [MASK] columns only (column j: the token j past it), as vLLM samples them."""
+        return self.block_size if self.layout == "r2lm" else self.block_size - 1
 
     @classmethod
     def for_target(cls, target_config, **choices) -> DrafterConfig:
@@ -387,15 +396,15 @@ class Drafter(PreTrainedModel):
 
     @torch.no_grad()
     def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
-        """Target token ids [B, b] drafted after the context and the opener token [B] (the last committed one):
-        column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the drafter's
-        probability of each guess [B, b]). The context is read, not changed."""
+        """Target token ids [B, config.draft_length] drafted after the context and the opener token [B] (the last
+        committed one): column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the
+        drafter's probability of each guess). The context is read, not changed."""
         b, cache = self.config.block_size, context.kv
         layout = Layout.span(torch.ones(openers.shape[0], b, dtype=torch.long, device=openers.device),
                              start=cache.next_position, noisy=True, chunk=1)
         plan = plan_of(self.stack, self.rotary_emb, layout, cache, like=self.fuse.weight)
         h = self.hidden(self.block_inputs(openers, context.last, b), plan, cache)
-        logits = self.logits(h)
+        logits = self.logits(h[:, b - self.config.draft_length:])
         if not confidence:
             return self.draft_ids[logits.argmax(-1)]
         p, guess = logits.float().softmax(-1).max(-1)
@@ -432,6 +441,9 @@ class Drafter(PreTrainedModel):
         With `feature_weight` > 0 (and the target's last layer among the feature layers), EAGLE's dense supervision
         too: column j's last hidden state, normalised, regresses onto the target's own last-layer state at x_{a+j}
         (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same.
+
+        In the "dflash" layout the opener's column guesses nothing and column j >= 1 guesses x_{a+j} (weighted
+        decay^(j-1)): DFlash's [MASK] columns predict their own tokens.
 
         `tau` (logged) is what verification would commit per forward were these blocks verified: the leading
         columns whose guess is the target's greedy token (the text's, without `distill`; with it, in training, the
@@ -479,12 +491,14 @@ class Drafter(PreTrainedModel):
                            columns=cache.columns[length : length + count * b], keys=length + count * b)
         h = self.hidden(inputs, plan, cache, norm=False)
         logits = self.logits(self.norm(h)).float()  # [B, n * b, draft vocab]
-        target_at = at + 1
+        skip = b - self.config.draft_length  # leading columns that guess nothing (DFlash's opener column)
+        target_at = at + 1 - skip  # the token each column guesses
+        source = (target_at - 1).clamp(0, length - 1)  # the position whose next token that is
         scored = (target_at < lengths[:, None]) & reply.gather(1, target_at.clamp(max=length - 1))
-        scored &= used.repeat_interleave(b, 1)
+        scored &= used.repeat_interleave(b, 1) & (offsets >= skip).repeat(count)[None, :]
         index = self.draft_index()
         if distill:  # the target's own next token after x_{a+j}, and its distribution over the draft vocabulary
-            state = top.gather(1, inside[..., None].expand(-1, -1, top.shape[-1]))
+            state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1]))
             rows = bound.logits(state, bound.rows)
             soft = rows.softmax(-1)
             ce = -(soft * logits.log_softmax(-1)).sum(-1)
@@ -497,20 +511,21 @@ class Drafter(PreTrainedModel):
             targets = index[greedy]
             scored &= targets >= 0
             ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view(batch, -1)
-        weight = (decay ** offsets.float()).repeat(count)[None, :] * scored
+        weight = (decay ** (offsets - skip).clamp(min=0).float()).repeat(count)[None, :] * scored
         right = (logits.argmax(-1) == index[greedy]) & scored
         # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
         # (a block whose text ends early counts the guesses it has)
-        leading = right.view(batch, count, b).long().cumprod(-1).sum(-1)
+        leading = right.view(batch, count, b)[..., skip:].long().cumprod(-1).sum(-1)
         blocks_used = used.sum().clamp(min=1)
         tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
         scored_count = int(scored.sum())
         loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
         if feature_weight > 0 and top is not None:
-            state = top.gather(1, inside[..., None].expand(-1, -1, top.shape[-1])).float()
+            state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1])).float()
             error = (_unit(h.float()) - _unit(state)).pow(2).mean(-1)
             loss = loss + feature_weight * (error * weight).sum() / weight.sum().clamp(min=1e-6)
-        metrics = dict(tau=tau.detach(), first_right=(right.view(batch, count, b)[..., 0] & used).sum().float() / blocks_used)
+        first_right = (right.view(batch, count, b)[..., skip] & used).sum().float() / blocks_used
+        metrics = dict(tau=tau.detach(), first_right=first_right)
         if distill:  # how often the text's next token is the target's own (1 on the target's own replies)
             text = ids.gather(1, target_at.clamp(max=length - 1))
             metrics["text_agreement"] = ((text == greedy) & scored).sum().float() / scored.sum().clamp(min=1)

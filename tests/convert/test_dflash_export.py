@@ -31,7 +31,7 @@ def rope(x, positions, theta):
 
 
 def vllm_dflash_block(folder, embed, captured, bonus):
-    """Target token ids and logits [b, draft vocab] of one DFlash block after a context of T tokens: `captured` maps a
+    """Target token ids and logits [b - 1, draft vocab] of one DFlash block after a context of T tokens: `captured` maps a
     target layer id to its output [T, hidden]; `bonus` the last committed token."""
     cfg = json.loads((folder / "config.json").read_text())
     w = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
@@ -66,7 +66,7 @@ def vllm_dflash_block(folder, embed, captured, bonus):
         m = rms(h, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
         h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    logits = rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    logits = (rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T)[1:]  # vLLM samples the [MASK] columns alone
     draft_to_target = torch.arange(logits.shape[-1]) + w["d2t"].long()
     return draft_to_target[logits.argmax(-1)], logits
 
@@ -158,3 +158,16 @@ def test_a_dflash_drafter_trains(made):
         losses.append(float(out.loss.detach()))
         taus.append(float(out.tau))
     assert losses[-1] < losses[0] and taus[0] < 1.5 and min(taus[-5:]) >= 2.0, (losses[::10], taus[::10])
+
+
+def test_verify_with_a_dflash_drafter_is_ar(made):
+    """It drafts block_size - 1 tokens (its [MASK] columns), and verification keeps the target's greedy text."""
+    root, _, target = made
+    drafter = Drafter.from_pretrained(root / "trained").eval()
+    assert drafter.config.draft_length == drafter.config.block_size - 1
+    ids = torch.randint(0, target.config.vocab_size - 1, (2, 7), generator=torch.Generator().manual_seed(5))
+    for policy in ("adaptive", "longest"):
+        out = generate(target, ids, max_new_tokens=11, verify=True, drafter=drafter, verify_policy=policy,
+                       eos_token_id=[])
+        assert torch.equal(out.sequences, generate(target, ids, max_new_tokens=11, block_size=1,
+                                                   eos_token_id=[]).sequences)
