@@ -26,6 +26,10 @@ speed      per category and batch size, one run interleaved a batch at a time (a
              verify:NAME (--window)  generate(verify=True, verify_draft="window") of an R2LM whose sidecars were
                                     trained on the target's frozen backbone (today's window drafts: the baseline a
                                     drafter is compared with), its block size
+             vllm, vllm_ngram,      (--vllm) the engine users serve with, in its own environment (eval.vllm_peer):
+             vllm_dflash:NAME       the target exported stock, plain, with prompt lookup (ngram, --block-size), and
+                                    with each drafter of layout dflash as its DFlash method; the same batches, one
+                                    engine per row after r2lm's rows (a separate process: not interleaved)
            τ = generated tokens / the verification forwards each row took part in (generate's new_tokens /
            row_steps): the forward that reads the prompt (which commits the first token, from a draft only where
            lookup finds one in the prompt) counts; tokens past a row's EOS or --new-tokens do not. tokens/s =
@@ -64,12 +68,13 @@ import torch
 from tqdm import tqdm
 
 from eval import common
-from eval.decoders import category_prompts, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
+from eval.decoders import Decoded, category_prompts, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
 from eval.drafter_curve import checkpoint_config, measure_curve
 from eval.humaneval import measure_humaneval
 from eval.lossless_report import plot, render, replace_section
 from eval.machine import describe, linear_orders, name_of, packages
 from eval.parallel_bench import speed_batches
+from eval.vllm_peer import bench_rows
 from r2lm import R2LMForDiffusionLM
 from r2lm.drafter import target_digest
 from r2lm.generation.policy import POLICIES
@@ -182,8 +187,10 @@ def speed_decoders(s: Setup, block_size: int, policies: list[str], untrained: bo
 # ---------------------------------------------------------------------------------------------- speed
 
 
-def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: int, pad: int) -> dict:
-    """tokens/s, τ and output checks of every decoder over the same batches, interleaved a batch at a time."""
+def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: int, pad: int,
+          peers: dict | None = None) -> dict:
+    """tokens/s, τ and output checks of every decoder over the same batches, interleaved a batch at a time; `peers`:
+    vLLM's rows over the same batches (eval.vllm_peer.measure_peers), checked and counted alike."""
     order = speed_batches(torch.arange(len(prompts))[:, None], args.speed_prompts, batch)
     batches = [left_pad([prompts[i] for i in rows[:, 0].tolist()], pad) for rows in order]
     runs = {name: run for name, (run, single_row) in decoders.items() if batch == 1 or not single_row}
@@ -204,13 +211,16 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
             for name in runs:
                 times[name].append(spent[name])
                 results.setdefault(name, outputs[name])  # the first pass's outputs
+    for name, measured in (peers or {}).items():
+        results[name] = [Decoded(m["rows"], m["tokens"], m["forwards"]) for m in measured]
+        times[name] = [sum(m["seconds"] for m in measured)]
     ar = [row for d in results["ar"] for row in d.rows]
     differing = {name: sum(a != b for a, b in zip(ar, (row for d in out for row in d.rows), strict=True))
                  for name, out in results.items() if name not in ("ar", "threshold")}
     entry = {"prompts": len(batches) * batch,
              "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
              "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
-                          if name.startswith("verify:")},
+                          if name.startswith(("verify:", "vllm_"))},
              "seconds": {name: statistics.median(t) for name, t in times.items()},
              "differing_rows": differing}
     if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
@@ -229,7 +239,7 @@ def with_ratios(entry: dict) -> dict:
            "step_cost_vs_ar": {name: tau[name] / vs_ar[name] for name in tau},
            "verify_is_ar": all(entry["differing_rows"][name] == 0 for name in tau),
            "ar_is_transformers": all(v == 0 for k, v in entry["differing_rows"].items()
-                                     if k.startswith("transformers"))}
+                                     if k.startswith(("transformers", "vllm")))}
     if "transformers_lookup" in tps:
         out["vs_transformers_lookup"] = {name: v / tps["transformers_lookup"] for name, v in tps.items()}
     return out
@@ -245,9 +255,12 @@ def total(entries: list[dict]) -> dict:
 def measure_speed(s: Setup, prompts: dict, args) -> dict:
     decoders = speed_decoders(s, args.block_size, args.policies, args.untrained)
     prompts = {c: ps[: args.speed_prompts] for c, ps in prompts.items()}  # (more were read for the curve)
+    dflash = [(name, path) for name, path in args.drafter if s.drafters[name].config.layout == "dflash"]
+    peers = bench_rows(args.target, dflash, prompts, args, s.eos) if args.vllm else {}
     per_batch = {}
     for batch in args.batch_sizes:
-        entries = {c: speed(c, [ids for _, ids in prompts[c]], decoders, args, batch, s.pad) for c in args.categories}
+        entries = {c: speed(c, [ids for _, ids in prompts[c]], decoders, args, batch, s.pad,
+                            {name: rows[(batch, c)] for name, rows in peers.items()}) for c in args.categories}
         entries["all"] = total(list(entries.values()))
         per_batch[str(batch)] = entries
         logger.info("batch %d, all categories: %s", batch, ", ".join(
@@ -256,7 +269,7 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
     paths = dict(args.drafter)
     drafters = {name: {"path": name_of(paths[name]) if name in paths else "freshly initialised (--untrained)",
                        **{k: getattr(d.config, k) for k in ("block_size", "num_hidden_layers", "in_block", "sidecar",
-                                                            "draft_vocab_size", "feature_layers")}}
+                                                            "draft_vocab_size", "feature_layers", "layout")}}
                 for name, d in s.drafters.items()}
     windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
@@ -271,7 +284,7 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
 # each part's settings: what its figures depend on (kept with the part, so --update can keep it beside others)
 PART_SETTINGS = {
     "speed": ("categories", "speed_prompts", "max_prompt_tokens", "batch_sizes", "new_tokens", "block_size", "repeats",
-              "threads", "policies", "untrained"),
+              "threads", "policies", "untrained", "vllm"),
     "humaneval": ("humaneval_problems", "humaneval_new_tokens", "humaneval_batch_size", "execution_timeout",
                   "threshold", "threshold_model", "block_size", "threads"),
     "curve": ("categories", "curve_prompts", "curve_points", "max_prompt_tokens", "new_tokens", "threads"),
@@ -359,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--untrained", action="store_true",
                         help="also the drafts of untrained drafters: the target's own window (verify:window) and a "
                              "freshly initialised drafter (verify:fresh, verify:lookup+fresh)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also vLLM's rows (plain, ngram, DFlash with each drafter of layout dflash), in vLLM's "
+                             "own environment (scripts/serve_env.sh builds it on first use)")
     parser.add_argument("--update", action="store_true",
                         help="measure only --parts; keep the other parts of OUT/lossless.json as they were measured")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")

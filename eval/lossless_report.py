@@ -35,8 +35,9 @@ def render(results: dict) -> str:
                   f"{st['max_prompt_tokens']} tokens; a batch larger than that repeats them), up to "
                   f"{st['new_tokens']} new tokens or EOS, lookup drafts of {st['block_size']}, {st['repeats']} timed "
                   f"pass(es) interleaved a batch at a time; transformers decodes {p['reference']}. Cells: × AR (τ). "
-                  "*verify = AR*: every verified output equal to AR's, token for token; *AR = transformers*: AR's "
-                  "equal to transformers' greedy output.", "",
+                  "*verify = AR*: every verified output (vLLM's speculative rows too) equal to AR's, token for token; "
+                  "*AR = transformers*: AR's equal to transformers' greedy output (and plain vLLM's, where measured: "
+                  "its rows run after r2lm's, in vLLM's own environment, not interleaved).", "",
                   "| category | batch | AR tokens/s | " + " | ".join(shown) + " | verify = AR | AR = transformers |",
                   "|---|---|---|" + "---|" * (len(shown) + 2)]
         for batch, entries in p["batches"].items():
@@ -69,7 +70,8 @@ def render(results: dict) -> str:
         for name, d in p["drafters"].items():
             lines.append(f"\nDrafter {name}: `{d['path']}`, {d['num_hidden_layers']} layer(s), block "
                          f"{d['block_size']}, "
-                         f"{d['in_block']} in-block attention{', reverse sidecar' if d['sidecar'] else ''}, draft "
+                         f"{d['in_block']} in-block attention{', reverse sidecar' if d['sidecar'] else ''}"
+                         f"{', vLLM DFlash layout' if d.get('layout') == 'dflash' else ''}, draft "
                          f"vocabulary {d['draft_vocab_size'] or 'all'}, target layers {d['feature_layers']}.")
         for name, w in p.get("windows", {}).items():
             lines.append(f"\nWindow drafts {name}: `{w['path']}`, the target's frozen backbone with trained sidecars on "

@@ -4,11 +4,12 @@ answer as JSON.
 
     $R2LM_SERVE_PYTHON eval/vllm_engine.py REQUESTS.json ANSWER.json
 
-REQUESTS: {"model": stock folder, "speculative_config": vLLM's (or null), "prompts": [[ids], ...],
-"max_tokens": N, "batch_sizes": [1, 8], "repeats": R, "max_model_len": L}. Greedy, every prompt to max_tokens
-(ignore_eos: equal lengths, as r2lm's side decodes them). ANSWER: per batch size the token ids of each output,
-tokens/s of each repeat, and the speculative counters (drafts, draft tokens, accepted tokens; the mean acceptance
-length is 1 + accepted / drafts: the tokens one verification forward commits).
+REQUESTS: {"model": a stock folder, "speculative_config": vLLM's (or null), "batches": [[[ids], ...], ...] (the
+prompts each batch decodes together), "max_tokens": N, "stop_token_ids": [ids] (null: every row to max_tokens),
+"repeats": R, "max_model_len": L}. Greedy. The batches are decoded in turn, R times over (the first pass's
+outputs kept). ANSWER: {"load_s", "batches": [{"outputs": [[ids], ...] (EOS included where a row stopped),
+"tokens": [...], "seconds": [...] (one per pass), "spec": the speculative counters of its first pass: drafts (one per
+row and verification forward), draft_tokens, accepted}]}.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import json
 import sys
 import time
 
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
 
 def counters(llm) -> dict:
     """The engine's speculative-decoding counters so far (zeros without a speculative method)."""
-    wanted = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-              "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    out = dict.fromkeys(wanted.values(), 0)
+    out = dict.fromkeys(COUNTERS.values(), 0)
     for metric in llm.get_metrics():
-        if metric.name in wanted:
-            out[wanted[metric.name]] = int(getattr(metric, "value", 0))
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] = int(getattr(metric, "value", 0))
     return out
 
 
@@ -45,28 +47,27 @@ def main(requests_path: str, answer_path: str) -> None:
     r = json.loads(open(requests_path).read())
     started = time.perf_counter()
     llm = LLM(model=r["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=r["max_model_len"],
-              max_num_seqs=max(r["batch_sizes"]), speculative_config=r.get("speculative_config"),
+              max_num_seqs=max(len(b) for b in r["batches"]), speculative_config=r.get("speculative_config"),
               disable_log_stats=False, gpu_memory_utilization=memory_share())
     load_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in r["prompts"]]
-    answer = {"load_s": load_s, "batches": {}}
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: first-call costs are not decoding speed
-    for batch in r["batch_sizes"]:
-        runs, outputs, before = [], None, counters(llm)
-        for _ in range(r["repeats"]):
-            for start in range(0, len(prompts), batch):
-                group = prompts[start : start + batch]
-                began = time.perf_counter()
-                done = llm.generate(group, params, use_tqdm=False)
-                seconds = time.perf_counter() - began
-                runs.append({"tokens": sum(len(o.outputs[0].token_ids) for o in done), "seconds": seconds})
-                if outputs is None or len(outputs) < len(prompts):
-                    outputs = (outputs or []) + [list(o.outputs[0].token_ids) for o in done]
-        after = counters(llm)
-        answer["batches"][str(batch)] = {"outputs": outputs, "runs": runs,
-                                         "spec": {k: after[k] - before[k] for k in after}}
-    open(answer_path, "w").write(json.dumps(answer) + "\n")
+    stops = r.get("stop_token_ids")
+    params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=stops is None,
+                            stop_token_ids=stops or None)
+    batches = [[TokensPrompt(prompt_token_ids=ids) for ids in batch] for batch in r["batches"]]
+    llm.generate(batches[0][:1], params, use_tqdm=False)  # warm-up: first-call costs are not decoding speed
+    answer = [{"tokens": [], "seconds": []} for _ in batches]
+    for repeat in range(r["repeats"]):
+        for batch, entry in zip(batches, answer, strict=True):
+            before = counters(llm)
+            began = time.perf_counter()
+            done = llm.generate(batch, params, use_tqdm=False)
+            entry["seconds"].append(time.perf_counter() - began)
+            entry["tokens"].append(sum(len(o.outputs[0].token_ids) for o in done))
+            if repeat == 0:
+                after = counters(llm)
+                entry["outputs"] = [list(o.outputs[0].token_ids) for o in done]
+                entry["spec"] = {k: after[k] - before[k] for k in after}
+    open(answer_path, "w").write(json.dumps({"load_s": load_s, "batches": answer}) + "\n")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,60 @@ def mean_acceptance(spec: dict) -> float:
     return 1.0 + spec["accepted"] / max(spec["drafts"], 1)
 
 
+def peer_configs(exported: dict[str, Exported], block_size: int) -> dict[str, dict | None]:
+    """The vLLM rows of the lossless benchmark: vLLM plain, its prompt lookup (ngram, drafts of `block_size`), and
+    DFlash with each exported drafter (`exported`: "" for the plain backbone, else a drafter's name)."""
+    rows = {"vllm": None, "vllm_ngram": {"method": "ngram", "num_speculative_tokens": block_size,
+                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+    rows |= {f"vllm_dflash:{name}": e.speculative_config() for name, e in exported.items() if e.dflash is not None}
+    return rows
+
+
+def measure_peers(base: Path, configs: dict[str, dict | None], batches: list[list[list[int]]], new_tokens: int,
+                  eos: list[int], repeats: int, max_model_len: int) -> dict[str, dict]:
+    """Each vLLM row's outputs, tokens, seconds (median over `repeats`) and forwards per batch of prompts: one engine
+    per row, every batch decoded as r2lm's rows decode it (greedy, to EOS or `new_tokens`). Forwards count as r2lm's
+    τ does: each row's prompt forward and its verification forwards (vLLM's drafts; 0 for plain vLLM)."""
+    import statistics
+
+    out = {}
+    for name, config in configs.items():
+        logger.info("vLLM row %s: %d batches", name, len(batches))
+        answer = run_engine({"model": str(base), "speculative_config": config, "batches": batches,
+                             "max_tokens": new_tokens, "stop_token_ids": eos, "repeats": repeats,
+                             "max_model_len": max_model_len})
+        out[name] = [{"rows": b["outputs"], "tokens": sum(len(r) for r in b["outputs"]),
+                      "seconds": statistics.median(s / t * sum(len(r) for r in b["outputs"])
+                                                   for s, t in zip(b["seconds"], b["tokens"], strict=True)),
+                      "forwards": None if config is None else b["spec"]["drafts"] + len(b["outputs"]),
+                      "spec": b["spec"]} for b in answer["batches"]]
+    return out
+
+
+def bench_rows(target, dflash: list[tuple[str, Path]], prompts: dict, args, eos: list[int]) -> dict:
+    """eval.lossless_bench's vLLM rows, keyed (batch size, category): the batches its `speed` decodes (prompts:
+    category -> [(id, token ids)]), `dflash` the drafters of layout dflash (name, folder)."""
+    from eval.parallel_bench import speed_batches
+
+    groups = [(batch, c, [[prompts[c][int(i)][1] for i in rows[:, 0]] for rows in
+                          speed_batches(torch.arange(len(prompts[c]))[:, None], args.speed_prompts, batch)])
+              for batch in args.batch_sizes for c in args.categories]
+    flat = [b for _, _, batches in groups for b in batches]
+    longest = max(len(ids) for b in flat for ids in b) + args.new_tokens
+    with tempfile.TemporaryDirectory(prefix="r2lm-vllm-") as tmp:
+        exported = {"": export(target, Path(tmp) / "plain")}
+        exported |= {name: export(target, Path(tmp) / name, path) for name, path in dflash}
+        measured = measure_peers(exported[""].base, peer_configs(exported, args.block_size), flat, args.new_tokens,
+                                 eos, args.repeats, longest)
+    out = {}
+    for name, per_batch in measured.items():
+        at = 0
+        for batch, c, batches in groups:
+            out.setdefault(name, {})[(batch, c)] = per_batch[at : at + len(batches)]
+            at += len(batches)
+    return out
+
+
 def serve_argv(python: str, exported: Exported, host: str = "127.0.0.1", port: int = 8000,
                max_model_len: int = 2048) -> list[str]:
     """The command that serves `exported` through vLLM's OpenAI-compatible API, the drafter (if any) as its DFlash

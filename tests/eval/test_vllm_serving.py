@@ -95,11 +95,11 @@ def test_vllm_offline_writes_r2lm_verified_text_at_r2lm_acceptance(served):
     ours, tau = r2lm_verified(target, drafter, prompts)
     assert tau > 1.5, f"the drafter barely drafts ({tau:.2f}): the comparison would say little"
     answer = run_engine({"model": str(exported.base), "speculative_config": exported.speculative_config(),
-                         "prompts": prompts, "max_tokens": NEW, "batch_sizes": [1], "repeats": 1,
-                         "max_model_len": 1024})
-    run = answer["batches"]["1"]
-    assert run["outputs"] == ours
-    assert mean_acceptance(run["spec"]) == pytest.approx(tau, rel=0.02), (run["spec"], tau)
+                         "batches": [[ids] for ids in prompts], "max_tokens": NEW, "stop_token_ids": None,
+                         "repeats": 1, "max_model_len": 1024})
+    assert [b["outputs"][0] for b in answer["batches"]] == ours
+    spec = {k: sum(b["spec"][k] for b in answer["batches"]) for k in ("drafts", "accepted")}
+    assert mean_acceptance(spec) == pytest.approx(tau, rel=0.02), (spec, tau)
 
 
 def test_vllm_serve_answers_through_the_openai_api(served):
