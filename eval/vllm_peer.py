@@ -46,10 +46,11 @@ class Exported:
         return {"method": "dflash", "model": str(self.dflash), "num_speculative_tokens": self.block_size - 1}
 
 
-def export(checkpoint, dst, drafter=None, overwrite: bool = False) -> Exported:
-    """DST/base (and DST/dflash): what vLLM loads for the R2LM `checkpoint` and its DFlash-layout `drafter`."""
+def export(checkpoint, dst, drafter=None, overwrite: bool = False, base: Path | None = None) -> Exported:
+    """DST/base (and DST/dflash): what vLLM loads for the R2LM `checkpoint` and its DFlash-layout `drafter` (`base`:
+    the checkpoint's backbone exported already, reused)."""
     dst = Path(dst)
-    base = convert_to_hf(checkpoint, dst / "base", overwrite=overwrite, drop_sidecars=True)
+    base = base or convert_to_hf(checkpoint, dst / "base", overwrite=overwrite, drop_sidecars=True)
     if drafter is None:
         return Exported(Path(base), None)
     folder = export_dflash(drafter, dst / "dflash", checkpoint, overwrite=overwrite)
@@ -101,7 +102,9 @@ def measure_peers(base: Path, configs: dict[str, dict | None], batches: list[lis
                   eos: list[int], repeats: int, max_model_len: int) -> dict[str, dict]:
     """Each vLLM row's outputs, tokens, seconds (median over `repeats`) and forwards per batch of prompts: one engine
     per row, every batch decoded as r2lm's rows decode it (greedy, to EOS or `new_tokens`). Forwards count as r2lm's
-    τ does: each row's prompt forward and its verification forwards (vLLM's drafts; 0 for plain vLLM)."""
+    τ does, every forward each row took part in: as each commits its accepted drafts and one token of its own, a
+    row's forwards are its tokens less its accepted drafts (vLLM counts drafts only where a method proposed some:
+    ngram's steps without a match are forwards too)."""
     import statistics
 
     out = {}
@@ -113,7 +116,7 @@ def measure_peers(base: Path, configs: dict[str, dict | None], batches: list[lis
         out[name] = [{"rows": b["outputs"], "tokens": sum(len(r) for r in b["outputs"]),
                       "seconds": statistics.median(s / t * sum(len(r) for r in b["outputs"])
                                                    for s, t in zip(b["seconds"], b["tokens"], strict=True)),
-                      "forwards": None if config is None else b["spec"]["drafts"] + len(b["outputs"]),
+                      "forwards": None if config is None else sum(len(r) for r in b["outputs"]) - b["spec"]["accepted"],
                       "spec": b["spec"]} for b in answer["batches"]]
     return out
 
@@ -130,7 +133,7 @@ def bench_rows(target, dflash: list[tuple[str, Path]], prompts: dict, args, eos:
     longest = max(len(ids) for b in flat for ids in b) + args.new_tokens
     with tempfile.TemporaryDirectory(prefix="r2lm-vllm-") as tmp:
         exported = {"": export(target, Path(tmp) / "plain")}
-        exported |= {name: export(target, Path(tmp) / name, path) for name, path in dflash}
+        exported |= {name: export(target, Path(tmp) / name, path, base=exported[""].base) for name, path in dflash}
         measured = measure_peers(exported[""].base, peer_configs(exported, args.block_size), flat, args.new_tokens,
                                  eos, args.repeats, longest)
     out = {}
