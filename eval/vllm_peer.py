@@ -155,7 +155,7 @@ def serve_argv(python: str, exported: Exported, host: str = "127.0.0.1", port: i
             "--dtype", "auto" if torch.cuda.is_available() else "float32", "--gpu-memory-utilization",
             str(memory_share())]
     if not torch.cuda.is_available():
-        argv.append("--enforce-eager")  # compiling costs ~100 s per start on a CPU, for little
+        argv.append("--enforce-eager")  # on a CPU, compiling makes every start minutes longer, for little
     if exported.dflash is not None:
         argv += ["--speculative-config", json.dumps(exported.speculative_config())]
     return argv
