@@ -168,9 +168,10 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter", help="a drafter of layout dflash for it (train/pretrain.py objective=drafter "
                         "drafter.layout=dflash): vLLM drafts with it")
     parser.add_argument("--out", type=Path, help="where the exported folders go (default: CHECKPOINT-vllm beside it)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--host", default="127.0.0.1", help="address the server listens on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="its port (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="the longest prompt + reply a request may have, in tokens (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
