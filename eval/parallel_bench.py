@@ -44,7 +44,7 @@ import torch
 from eval import common
 from eval.common import pack_texts, read_texts
 from eval.likelihood import heldout_nll
-from eval.machine import describe, label, linear_orders
+from eval.machine import describe, label, linear_orders, name_of
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.generation import ParallelismMeter
@@ -407,7 +407,8 @@ def main(argv=None) -> dict:
 
     texts = read_texts(args.text)
     references = dict(item.split("=", 1) for item in args.reference)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    # files by name (eval.machine.name_of), never an absolute path of this machine
+    settings = {k: (name_of(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"settings": settings, "commit": common.commit(), "machine": describe(), "models": {}, "measured": {}}
     if args.update:
         results = kept_results(args.out / "parallel.json", results)
