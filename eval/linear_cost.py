@@ -1,7 +1,7 @@
-"""What a decode step's matrix products cost on a CPU, in each order r2lm.ops.linear chooses among, and which it
-chose: `torch.nn.functional.linear` (x @ W^T), the transposed order ((W @ x^T)^T), r2lm's few-row kernel (where
-this machine has a build of it: python -m r2lm.ops.few_rows), and r2lm's `linear` once it has measured each shape
-class, side by side in one run, for every row count a decode step multiplies by.
+"""What a decode step's matrix products cost on a CPU, in each order an r2lm.ops.linear tuner chooses among, and
+which it chose: `torch.nn.functional.linear` (x @ W^T), the transposed order ((W @ x^T)^T), r2lm's few-row kernel
+(where this machine has a build of it: python -m r2lm.ops.few_rows), and a tuner once it has measured each shape
+class ("r2lm"), side by side in one run, for every row count a decode step multiplies by.
 
     python -m eval.linear_cost [--config CHECKPOINT] [--rows 1 2 3 4 6 8 12 16 24 32] [--repeats 7] [--threads 2]
         [--out docs/results]
@@ -11,8 +11,8 @@ heads of 64, vocab 49152; sidecars on its last 6 layers, as eval/parallel_bench'
 R2LM checkpoint --config names: random, float32, all distinct tensors (about 590 MB for SmolLM2), so they stream
 from memory as a real step's do rather than sit in a cache. Each input is contiguous. For each row count (the
 tokens a forward reads, times the batch), the time of multiplying those rows by every weight: the median over
---repeats of passes interleaved between the three. r2lm's passes start after the passes that decide its orders
-(r2lm.ops.linear measures each class at its first uses). Prints a table with the machine and the decisions,
+--repeats of passes interleaved between them. The tuner's passes start after the passes that decide its orders
+(it measures each class at its first uses). Prints a table with the machine and the decisions,
 writes linear_cost.json and linear_cost.png to --out.
 """
 
@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from eval.machine import describe, label, linear_orders
 from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.ops.few_rows import kernel
-from r2lm.ops.linear import FEW_ROWS, decisions, few_rows, linear, transposed
+from r2lm.ops.linear import FEW_ROWS, Tuner, few_rows, transposed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,21 +49,21 @@ def step_weights(config: R2LMConfig) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def time_products(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+def time_products(weights: list[torch.Tensor], rows: int, repeats: int, tuner: Tuner) -> dict:
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     shapes = {(rows, *w.shape) for w in weights}
 
     def decided():
-        return {(d["rows"], *d["weight"]) for d in decisions() if d["threads"] == torch.get_num_threads()}
+        return {(d["rows"], *d["weight"]) for d in tuner.decisions() if d["threads"] == torch.get_num_threads()}
 
     for _ in range(100):  # r2lm's first passes measure both orders of each class, then it decides
         if rows > FEW_ROWS or shapes <= decided():
             break
         for w in weights:
-            linear(inputs[w.shape[1]], w)
+            tuner(inputs[w.shape[1]], w)
 
     kinds = {"F.linear": F.linear, "transposed": transposed, **({"kernel": few_rows} if kernel() else {}),
-             "r2lm": linear}
+             "r2lm": tuner}
     times = {k: [] for k in kinds}
     for _ in range(repeats + 1):  # the first pass warms up
         for name, fn in kinds.items():
@@ -117,10 +117,11 @@ def main(argv=None) -> dict:
     logger.info("%d weights, %.0f MB", len(weights), sum(w.numel() for w in weights) * 4 / 1e6)
     results = {"model": model, "machine": describe(), "threads": args.threads, "repeats": args.repeats,
                "few_rows": FEW_ROWS, "rows": {}}
+    tuner = Tuner()
     for rows in args.rows:
-        results["rows"][str(rows)] = time_products(weights, rows, args.repeats)
+        results["rows"][str(rows)] = time_products(weights, rows, args.repeats, tuner)
         logger.info("%d rows: %s", rows, results["rows"][str(rows)])
-    results["orders"] = linear_orders()
+    results["orders"] = linear_orders(tuner)
     print(f"\none forward's matrix products, {model}'s weights, {args.threads} threads, {label(results['machine'])} "
           f"(r2lm measures both orders up to {FEW_ROWS} rows)")
     kinds = list(next(iter(results["rows"].values()))["ms"])

@@ -78,6 +78,7 @@ from eval.vllm_peer import bench_rows
 from r2lm import R2LMForDiffusionLM
 from r2lm.drafter import target_digest
 from r2lm.generation.policy import POLICIES
+from r2lm.ops.linear import Tuner, install
 from r2lm.workloads import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +104,7 @@ class Setup:
     threshold_model: object
     eos: list[int]
     pad: int
+    tuner: object  # the r2lm.ops.linear tuner installed on every r2lm model above (not on transformers' reference)
 
 
 def load_setup(args) -> Setup:
@@ -157,7 +159,10 @@ def load_setup(args) -> Setup:
         fresh = Drafter(DrafterConfig.for_target(target.config, **choices))
         fresh.start_from(target)  # as training starts it (drafter.init=target)
         drafters["fresh"] = fresh.to(target.dtype).eval()
-    return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad)
+    tuner = Tuner()  # one set of product-order decisions for every r2lm model of the run, as decoding uses them
+    for model in (target, plain, threshold_model, *drafters.values(), *windows.values()):
+        install(model, tuner)
+    return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad, tuner)
 
 
 def speed_decoders(s: Setup, block_size: int, policies: list[str], untrained: bool) -> dict:
@@ -195,7 +200,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
     batches = [left_pad([prompts[i] for i in rows[:, 0].tolist()], pad) for rows in order]
     runs = {name: run for name, (run, single_row) in decoders.items() if batch == 1 or not single_row}
     n = args.new_tokens
-    for run in runs.values():  # warm-up: r2lm.ops.linear times its orders on first use of each shape
+    for run in runs.values():  # warm-up: the tuner times its product orders on first use of each shape
         run(*batches[0], min(n, 16))
     times, results = {name: [] for name in runs}, {}
     with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
@@ -456,7 +461,7 @@ def main(argv=None) -> dict:
             else:
                 parts["curve"] = {"settings": part_settings(args, "curve"),
                                   "runs": [measure_curve(s, prompts, run, args) for run in args.curve]}
-            parts[part]["measured"] = {"commit": commit, "machine": machine, "linear_orders": linear_orders()}
+            parts[part]["measured"] = {"commit": commit, "machine": machine, "linear_orders": linear_orders(s.tuner)}
     results = {"target": name_of(args.target), "target_digest": digest, "commit": commit, "machine": machine,
                "packages": packages(), "parts": parts}
     results["verify_is_ar"] = all(e["verify_is_ar"] for b in parts.get("speed", {}).get("batches", {}).values()

@@ -1,7 +1,7 @@
 """The machine a CPU benchmark ran on, written beside its figures. Its ratios move with the machine: what a
 4-row matrix product costs against a 1-row one (so what a verification forward costs against an AR step)
 depends on the CPU, its vector width and its memory bandwidth (eval/linear_cost has the figures per machine in
-docs/results.md); and so does which order r2lm.ops.linear multiplies few rows in (`linear_orders`)."""
+docs/results.md); and so does which order an r2lm.ops.linear tuner multiplies few rows in (`linear_orders`)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,11 @@ def label(machine: dict | None) -> str:
     return f"{machine['cpu']}, {machine['capability']}, {machine['cpus']} cores"
 
 
-def linear_orders() -> dict:
-    """r2lm.ops.linear's decisions so far in this process, per row count: the weight shapes multiplied in each
-    order ({"1": {"F.linear": ["576x576", ...], "kernel": [...]}}); r2lm.ops.linear.decisions() has the timings."""
-    from r2lm.ops.linear import decisions
-
+def linear_orders(tuner) -> dict:
+    """An r2lm.ops.linear tuner's decisions so far, per row count: the weight shapes multiplied in each order
+    ({"1": {"F.linear": ["576x576", ...], "kernel": [...]}}); `tuner.decisions()` has the timings."""
     by_rows: dict = {}
-    for d in decisions():
+    for d in tuner.decisions():
         orders = by_rows.setdefault(str(d["rows"]), {})
         orders.setdefault(d["order"], []).append("x".join(map(str, d["weight"])))
     return by_rows

@@ -48,6 +48,7 @@ from eval.machine import describe, label, linear_orders, name_of
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.generation import ParallelismMeter
+from r2lm.ops.linear import Tuner, install
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,10 +59,13 @@ BEGIN, END = "<!-- parallel decoding: begin (eval/parallel_bench.py) -->", "<!--
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def load(path: str):
+def load(path: str, tuner: Tuner):
+    """The model (decoding through `tuner`, as the run's other models do) and its tokenizer."""
     from transformers import AutoTokenizer
 
-    return R2LMForDiffusionLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = R2LMForDiffusionLM.from_pretrained(path).eval()
+    install(model, tuner)
+    return model, AutoTokenizer.from_pretrained(path, padding_side="left")
 
 
 def held_out_prompts(tokenizer, texts: list[str], count: int, length: int) -> torch.Tensor:
@@ -201,8 +205,8 @@ def speed(model, prompts, args, batch: int) -> dict:
             "verify_tokens_per_forward": {v: per_forward(v) for v in verified}, **checks}
 
 
-def measure(path: str, args, texts, reference=None) -> dict:
-    model, tokenizer = load(path)
+def measure(path: str, args, texts, tuner: Tuner, reference=None) -> dict:
+    model, tokenizer = load(path, tuner)
     prompts = held_out_prompts(tokenizer, texts, args.prompts, args.prompt_tokens)
     par = parallelism(model, prompts, args)
     entry = {"checkpoint": path, "sidecar_layers": model.config.sidecar_layers, "thresholds": {}}
@@ -410,6 +414,7 @@ def main(argv=None) -> dict:
     # files by name (eval.machine.name_of), never an absolute path of this machine
     settings = {k: (name_of(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"settings": settings, "commit": common.commit(), "machine": describe(), "models": {}, "measured": {}}
+    tuner = Tuner()  # r2lm.ops.linear's product orders, decided once for every model of the run
     if args.update:
         results = kept_results(args.out / "parallel.json", results)
     for item in args.model:
@@ -419,10 +424,10 @@ def main(argv=None) -> dict:
         results["models"][name] = {}
         for stage, path in (("before", before), ("after", after)):
             logger.info("%s, %s parallelism training: %s", name, stage, path)
-            results["models"][name][stage] = measure(path, args, texts, reference)
+            results["models"][name][stage] = measure(path, args, texts, tuner, reference)
         results["models"][name]["after"]["backbone_changed"] = backbone_changed(before, after)
         results["measured"][name] = {"commit": results["commit"], "verify": args.verify, "machine": results["machine"],
-                                     "linear_orders": linear_orders()}
+                                     "linear_orders": linear_orders(tuner)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parallel.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "parallel.png")

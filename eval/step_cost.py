@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eval.common import save_smollm2
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.generation.window import WindowReader
+from r2lm.ops.linear import Tuner, install
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +87,8 @@ def syncs_per_step(model, prompts, **options) -> dict:
 
     with counter:
         out = generate(model, prompts, step_callback=note, **options)
-    within = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False) if a[0] == b[0]]
+    # StepInfo.start: each row's first position of the step (one block: the same), compared outside the counter
+    within = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False) if torch.equal(a[0], b[0])]
     return {"steady_state": max(within) if within else None, "overall": counter.syncs / max(out.steps, 1),
             "steps": out.steps, "total": counter.syncs}
 
@@ -128,12 +130,13 @@ def load_variants(name: str, work: Path) -> dict:
 
     build, sidecars, options = MODELS[name]
     base = build(work / f"{name}_base")
-    models = {}
+    models, tuner = {}, Tuner()  # r2lm's models decode through the CPU product tuner, as r2lm-generate's do
     for variant, layers in (("r2lm", sidecars), ("plain", [])):
         dst = work / f"{name}_{variant}"
         if not (dst / "config.json").is_file():
             convert_from_hf(base, dst, sidecar_layers=layers, mask_token_id=None, **options)
         models[variant] = R2LMForDiffusionLM.from_pretrained(dst).eval()
+        install(models[variant], tuner)
     with torch.no_grad():
         for layer in models["r2lm"].model.layers:
             if layer.sidecar is not None:
@@ -157,17 +160,17 @@ class Forwards:
             model = models[variant]
             cache = model.new_cache(batch, cache_len + 64)
             model.prefill(self.ids, cache)
-            self.readers[variant] = (WindowReader(model, cache, compile=compile), cache.length, cache.next_position.clone())
+            self.readers[variant] = (WindowReader(model, cache, compile=compile), cache.length)
         self.batch = batch
 
     def run(self, variant: str, width: int, commit: int) -> float:
-        reader, length, position = self.readers[variant]
+        reader, length = self.readers[variant]
         ids = self.ids[:, :width].clone()
         ids[:, commit:] = self.mask_id  # the window part is all [MASK], as at a block's first step
         start = time.perf_counter()
         reader.read(ids, commit, keep=slice(commit if commit < width else 0, width))
         seconds = time.perf_counter() - start
-        reader.cache.length, reader.cache.next_position = length, position.clone()  # back to the same state
+        reader.cache.rewind(length)  # back to the same state
         return seconds
 
 

@@ -39,13 +39,19 @@ from transformers import AutoTokenizer, MaxLengthCriteria
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.generation import ParallelismMeter
+from r2lm.ops.linear import Tuner, install
 
 logger = logging.getLogger("eval.throughput")
 VARIANTS = ("ar", "bidir", "bidir+dc", "r2lm", "causal")
 
 
+TUNER = Tuner()  # r2lm.ops.linear's product orders: one set of decisions for every model this benchmark loads
+
+
 def load(path: str) -> R2LMForDiffusionLM:
-    return R2LMForDiffusionLM.from_pretrained(path).eval()
+    model = R2LMForDiffusionLM.from_pretrained(path).eval()
+    install(model, TUNER)
+    return model
 
 
 def load_variants(args) -> dict:

@@ -4,11 +4,16 @@ fp32 linear-attention state (S, Z) of each block-hybrid layer, whose size does n
 Rows advance in lockstep (one column per token slot); left padding is masked by `valid` rather than by per-row
 offsets, and `next_position` holds each row's next RoPE position (its count of real tokens so far).
 
-A forward over the cache writes its own keys and values into the scratch columns [length, length + T) and
-attends over [0, length + T): no concatenation, no reallocation. Only `advance` (called by prefill / commit)
-moves `length`, so a denoise step leaves the committed part untouched and its scratch is simply overwritten
+A forward over the cache writes its own keys and values into the scratch columns [length, length + T) (`scratch`)
+and attends over [0, length + T): no concatenation, no reallocation. Only `advance` (called by prefill / commit)
+moves `length` forward, so a denoise step leaves the committed part untouched and its scratch is simply overwritten
 by the next forward. A forward may also commit only its leading columns (a finished block read together with
 the next window): it advances by those, and the window's scratch is overwritten in turn.
+
+The cache's fields are its own: the per-layer buffers (key, value, S, Z) are bound once, what changes as it is used
+(length, next_position, valid, the stale region) is private and read through properties, and every change goes
+through a method named for what the caller means (advance, rewind, pad, place_row, load, keep_rows);
+tests/project/test_plans.py checks that no code outside this module assigns one.
 """
 
 from __future__ import annotations
@@ -36,26 +41,51 @@ class KVCache:
         state = (batch_size, config.num_attention_heads, features, config.head_dim)
         self.S = [None if s else torch.zeros(state, dtype=torch.float32, device=device) for s in softmax]
         self.Z = [None if s else torch.zeros(state[:-1], dtype=torch.float32, device=device) for s in softmax]
-        self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
-        self.columns = torch.arange(max_length, device=device)  # sliced into each forward's write positions
-        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
-        # Only for Fast-dLLM's approximate dual cache on bidirectional models: columns [length + T, stale_end)
-        # keep keys computed in an earlier forward and stay visible to every query.
-        self.stale_end = 0
+        self._valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        self._columns = torch.arange(max_length, device=device)  # sliced into each forward's write positions
+        self._next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._length = 0
+        # Only for Fast-dLLM's approximate dual cache on bidirectional models (`rewind(..., keep_stale=True)`):
+        # columns [length + T, _stale_end) keep keys computed in an earlier forward and stay visible to every query.
+        self._stale_end = 0
+
+    @property
+    def length(self) -> int:
+        """Committed columns: [0, length) hold clean keys and values (left padding among them marked by `valid`)."""
+        return self._length
+
+    @property
+    def next_position(self) -> torch.Tensor:
+        """long [B]: each row's next RoPE position (its count of real committed tokens)."""
+        return self._next_position
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool [B, max_length]: which committed columns hold a real token (False: left padding, or not written)."""
+        return self._valid
 
     @property
     def batch_size(self) -> int:
-        return self.valid.shape[0]
+        return self._valid.shape[0]
 
     @property
     def max_length(self) -> int:
-        return self.valid.shape[1]
+        return self._valid.shape[1]
+
+    def scratch(self, num_tokens: int) -> torch.Tensor:
+        """The columns [length, length + num_tokens) an input's keys and values are written to (a tensor, so that a
+        compiled step does not depend on the cache's length)."""
+        return self._columns[self._length : self._length + num_tokens]
+
+    def keys_read(self, num_tokens: int) -> int:
+        """Attention over an input of `num_tokens` reads columns [0, keys_read): the committed ones, the input's,
+        and any stale ones after them."""
+        return max(self._length + num_tokens, self._stale_end)
 
     def check_room(self, num_tokens: int) -> None:
-        if self.length + num_tokens > self.max_length:
+        if self._length + num_tokens > self.max_length:
             raise ValueError(
-                f"KVCache overflow: {self.length} cached + {num_tokens} new tokens exceed its max_length {self.max_length}"
+                f"KVCache overflow: {self._length} cached + {num_tokens} new tokens exceed its max_length {self.max_length}"
             )
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, keys: int):
@@ -81,26 +111,26 @@ class KVCache:
 
     def stale_suffix(self, num_tokens: int) -> torch.Tensor | None:
         """Validity [B, S] of the stale columns after an input of `num_tokens`, or None when there are none."""
-        start = self.length + num_tokens
-        return self.valid[:, start : self.stale_end] if self.stale_end > start else None
+        start = self._length + num_tokens
+        return self._valid[:, start : self._stale_end] if self._stale_end > start else None
 
     def advance(self, valid: torch.Tensor | int) -> None:
         """Commit the columns just written: valid [B, T] marks real tokens (False for padding), or an int T when
         all of them are real."""
         if isinstance(valid, int):
-            self.valid[:, self.length : self.length + valid] = True
-            self.next_position += valid
-            self.length += valid
+            self._valid[:, self._length : self._length + valid] = True
+            self._next_position += valid
+            self._length += valid
             return
-        end = self.length + valid.shape[1]
-        self.valid[:, self.length : end] = valid
-        self.next_position += valid.sum(dim=1)
-        self.length = end
+        end = self._length + valid.shape[1]
+        self._valid[:, self._length : end] = valid
+        self._next_position += valid.sum(dim=1)
+        self._length = end
 
     def load(self, keys: list, values: list, states: list | None, length: int) -> None:
         """Start an empty cache from `length` tokens of clean context computed elsewhere (a prefix cache hit):
         keys/values per layer [B, Hkv, length, d] (None for hybrid layers), states per layer (S, Z) or None."""
-        if self.length:
+        if self._length:
             raise ValueError("load() needs an empty cache")
         self.check_room(length)
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -110,17 +140,25 @@ class KVCache:
             elif states is not None:
                 self.S[layer].copy_(states[layer][0])
                 self.Z[layer].copy_(states[layer][1])
-        self.valid[:, :length] = True
-        self.next_position += length
-        self.length = length
+        self._valid[:, :length] = True
+        self._next_position += length
+        self._length = length
+
+    def pad(self, width: int) -> None:
+        """Make an empty cache `width` columns long, all of them padding, for `place_row` to fill row by row."""
+        if self._length:
+            raise ValueError("pad() needs an empty cache")
+        self.check_room(width)
+        self._length = width
 
     def states(self) -> list:
         """A copy of every hybrid layer's (S, Z) (None for softmax layers): a checkpoint of the recurrent part."""
         return [None if S is None else (S.clone(), Z.clone()) for S, Z in zip(self.S, self.Z, strict=True)]
 
     def place_row(self, row: int, source: KVCache) -> None:
-        """Copy the only row of `source` into `row`, right-aligned at this cache's length (left padding)."""
-        n, end = source.length, self.length
+        """Copy the only row of `source` into `row`, right-aligned at this cache's length (left padding; `pad` gives an
+        empty cache its length)."""
+        n, end = source.length, self._length
         if n > end:
             raise ValueError(f"a row of {n} tokens does not fit in {end} columns")
         for layer in range(len(self.key)):
@@ -130,20 +168,23 @@ class KVCache:
             else:
                 self.S[layer][row] = source.S[layer][0]
                 self.Z[layer][row] = source.Z[layer][0]
-        self.valid[row, :end] = False
-        self.valid[row, end - n : end] = source.valid[0, :n]
-        self.next_position[row] = source.next_position[0]
+        self._valid[row, :end] = False
+        self._valid[row, end - n : end] = source.valid[0, :n]
+        self._next_position[row] = source.next_position[0]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (a [B] bool mask or row indices), in order: rows a decoder has finished leave
         the batch, so later forwards do not compute them."""
         for buffers in (self.key, self.value, self.S, self.Z):
             buffers[:] = [None if t is None else t[keep] for t in buffers]
-        self.valid, self.next_position = self.valid[keep], self.next_position[keep]
+        self._valid, self._next_position = self._valid[keep], self._next_position[keep]
 
-    def rewind(self, length: int) -> None:
-        """Forget committed columns from `length` on (approximate caches recompute from a block start)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind a cache of length {self.length} to {length}")
-        self.length = length
-        self.next_position = self.valid[:, :length].sum(dim=1)
+    def rewind(self, length: int, keep_stale: bool = False) -> None:
+        """Forget committed columns from `length` on (approximate caches recompute from a block start; a benchmark
+        repeats a forward from the same state). With `keep_stale` the forgotten columns' keys stay visible to every
+        later query, as stale keys (Fast-dLLM's dual cache on bidirectional models); without, there are none."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot rewind a cache of length {self._length} to {length}")
+        self._stale_end = max(self._stale_end, self._length) if keep_stale else 0
+        self._length = length
+        self._next_position = self._valid[:, :length].sum(dim=1)

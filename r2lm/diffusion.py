@@ -23,6 +23,7 @@ is a separator (the next document's first token is not predictable from the prev
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,13 @@ def certainty_loss(model, x0, attention_mask=None, separator_id=None, generator=
         ce + entropy_weight * entropy, n_masked, n_masked, ce=ce.detach(), entropy=entropy.detach(),
         right_fraction=torch.tensor(n_right / max(n_masked, 1), device=x0.device),
     )
+
+
+def noise_seed(*parts: int) -> int:
+    """A generator seed from integers (seed, step, micro-step, rank): the noise is replayed exactly on resume, and an
+    evaluation that seeds its batches the same way draws the noise training's held-out evaluation drew."""
+    digest = hashlib.sha256("/".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def compute_loss(name: str, model, x0, attention_mask=None, separator_id=None, generator=None, config=None, **options) -> Loss:

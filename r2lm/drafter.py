@@ -24,7 +24,8 @@ layer; `r2lm-convert drafter-to-dflash` writes it as the folder vLLM's `dflash` 
 
 A drafter is saved on its own (`save_pretrained`: its layers, fusion, mask vector and draft vocabulary, not the
 target's weights) and bound to its target at use (`bind`), which refuses a target of another hidden size,
-vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (the target frozen).
+vocabulary or layer count. Training: `objective: drafter` of train/pretrain.py (the target frozen), whose loss is
+r2lm.drafter_loss.
 """
 
 from __future__ import annotations
@@ -47,13 +48,11 @@ from r2lm.checkpoints.hf import check_weights
 from r2lm.checkpoints.manifest import verify_checkpoint, verify_files
 from r2lm.checkpoints.zero import load_fp32_state_dict
 from r2lm.configuration_r2lm import R2LMConfig
-from r2lm.diffusion import Loss
+from r2lm.drafter_loss import DraftLoss, drafting_loss
 from r2lm.layers import RMSNorm, RotaryEmbedding
-from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
 from r2lm.modeling_r2lm import R2LMDecoderLayer, refuse_partial_load
-from r2lm.ops.linear import linear
-from r2lm.plan import ForwardPlan, plan_of
+from r2lm.plan import plan_of
 from r2lm.prefix.identity import ModelIdentity
 
 IN_BLOCK = ("bidirectional", "causal")
@@ -200,10 +199,10 @@ class Drafter(PreTrainedModel):
         self.stack = config.stack_config()
         self.stack._attn_implementation = "sdpa"
         width = config.target_hidden_size
-        self.fuse = Linear(len(config.feature_layers) * width, width, bias=False)
+        self.fuse = nn.Linear(len(config.feature_layers) * width, width, bias=False)
         self.fuse_norm = RMSNorm(width, eps=config.rms_norm_eps)
         # the last context token's features, into every block column (layout "r2lm"; DFlash has no such path)
-        self.direct = Linear(width, width, bias=False) if config.layout == "r2lm" else None
+        self.direct = nn.Linear(width, width, bias=False) if config.layout == "r2lm" else None
         self.layers = nn.ModuleList(R2LMDecoderLayer(self.stack, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.stack)
@@ -212,6 +211,8 @@ class Drafter(PreTrainedModel):
         self.register_buffer("draft_ids", torch.arange(size), persistent=True)  # target ids of the draft vocabulary
         self.target = None  # what it reads of its target (Bound): set by bind()
         self._bound_to = None  # which target (and which version of its head) `target` was read from
+        # the head's product over the target's rows: F.linear, or the tuner of r2lm.ops.linear.install(drafter)
+        self.product = F.linear
         self.post_init()
 
     @classmethod
@@ -361,11 +362,11 @@ class Drafter(PreTrainedModel):
         mask = torch.ones(c.shape[:2], dtype=torch.long, device=c.device) if valid is None else valid.long()
         layout = Layout.span(mask, start=cache.next_position)
         cos, sin = self.rotary_emb(c, layout.positions)
-        columns = cache.columns[cache.length : cache.length + c.shape[1]]
+        columns, keys = cache.scratch(c.shape[1]), cache.keys_read(c.shape[1])
         own_norm = self.config.layout == "r2lm"  # DFlash: the fusion's norm is the context K/V's only input norm
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(layer.input_layernorm(c) if own_norm else c, cos, sin)
-            cache.update(i, k, v, columns, cache.length + c.shape[1])
+            cache.update(i, k, v, columns, keys)
         cache.advance(c.shape[1] if valid is None else valid.bool())
         # each row's last real column: what the block's direct path reads (rows with none keep theirs)
         cols = torch.arange(c.shape[1], device=c.device)
@@ -392,7 +393,7 @@ class Drafter(PreTrainedModel):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., draft vocab]."""
-        return linear(h, self._bound().rows)  # (r2lm.ops.linear: F.linear under autograd, the fastest order when drafting)
+        return self.product(h, self._bound().rows)
 
     @torch.no_grad()
     def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
@@ -425,116 +426,9 @@ class Drafter(PreTrainedModel):
     def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
              generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
              distill: bool = False) -> DraftLoss:
-        """The drafting loss of a batch of text (DFlash's recipe, docs/notes/drafting.md).
-
-        ids [B, T] right-padded (valid [B, T]); captured: the target's outputs at feature_layers over them (the
-        frozen target's forward, or a cache of it); reply [B, T]: the tokens drafts are asked for (the target's own
-        reply, or an answer of a fixed text). Up to `blocks` anchors a per row, drawn at random among the positions
-        whose block's first token is a reply token, each opening a block [x_a, [MASK] * (b-1)] that reads the context
-        of x_0 .. x_{a-1} (what decoding holds before that block) and predicts x_{a+1} .. x_{a+b}: column j
-        weighted by decay^j (an early token gates every later one's acceptance), scored where x_{a+j+1} is a reply
-        token. The label of column j is the text's token x_{a+j+1} (cross-entropy over the draft vocabulary; a
-        token outside it is not scored), or with `distill` the target's own next-token distribution after
-        x_{a+j} (its logits over the draft vocabulary, from its last layer's output, which must be a feature
-        layer): self-distillation, which on text the target did not write teaches what the target would say.
-
-        With `feature_weight` > 0 (and the target's last layer among the feature layers), EAGLE's dense supervision
-        too: column j's last hidden state, normalised, regresses onto the target's own last-layer state at x_{a+j}
-        (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same.
-
-        In the "dflash" layout the opener's column guesses nothing and column j >= 1 guesses x_{a+j} (weighted
-        decay^(j-1)): DFlash's [MASK] columns predict their own tokens.
-
-        `tau` (logged) is what verification would commit per forward were these blocks verified: the leading
-        columns whose guess is the target's greedy token (the text's, without `distill`; with it, in training, the
-        target's likeliest token of the draft vocabulary) and the target's own next token."""
-        b, (batch, length) = self.config.block_size, ids.shape
-        device = ids.device
-        lengths = valid.sum(1)
-        reply = reply.bool() & valid.bool()
-        top_layer = self.config.target_num_hidden_layers - 1
-        top = captured[self.config.feature_layers.index(top_layer)] if top_layer in self.config.feature_layers else None
-        if distill and top is None:
-            raise ValueError(f"distillation reads the target's logits from its last layer ({top_layer}): add it to "
-                             "feature_layers")
-        allowed = torch.zeros_like(reply)
-        allowed[:, :-1] = reply[:, 1:]  # the block's first guess is a reply token
-        score = torch.rand(batch, length, generator=generator, device=device).masked_fill(~allowed, -1.0)
-        count = min(blocks, length)
-        best = score.topk(count, dim=1)
-        anchors, used = best.indices, best.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
-        context = self.new_context(batch, length + count * b)
-        c = self.append(context, captured, valid)
-        cache = context.kv
-        offsets = torch.arange(b, device=device)
-        at = (anchors[..., None] + offsets).flatten(1)  # [B, n * b]: each block column's position
-        inside = at.clamp(max=length - 1)
-        first = (offsets == 0).expand(batch, count, b).flatten(1)
-        bound = self._bound()
-        dtype = bound.rows.dtype
-        inputs = torch.where(first[..., None], bound.embed(ids.gather(1, inside)).detach().to(dtype),
-                             self.mask_embedding.to(dtype))  # the target's embeddings: frozen
-        if self.direct is not None:
-            before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
-            last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
-            inputs = inputs + self.direct(last)
-        block = torch.arange(count, device=device).repeat_interleave(b)
-        own = block[:, None] == block[None, :]
-        if self.stack.kind.attention.causal:  # in_block="causal"
-            own &= offsets.repeat(count)[None, :] <= offsets.repeat(count)[:, None]
-        positions = torch.arange(length, device=device)
-        seen = (positions[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]) & valid[:, None, :].bool()
-        mask = torch.cat([seen, own.expand(batch, -1, -1)], 2)[:, None]
-        cos, sin = self.rotary_emb(bound.rows, at)
-        windows = (torch.arange(count * b, device=device).view(count, b)) if self.config.sidecar else None
-        plan = ForwardPlan(cos=cos, sin=sin, mask=mask, windows=windows,
-                           columns=cache.columns[length : length + count * b], keys=length + count * b)
-        h = self.hidden(inputs, plan, cache, norm=False)
-        logits = self.logits(self.norm(h)).float()  # [B, n * b, draft vocab]
-        skip = b - self.config.draft_length  # leading columns that guess nothing (DFlash's opener column)
-        target_at = at + 1 - skip  # the token each column guesses
-        source = (target_at - 1).clamp(0, length - 1)  # the position whose next token that is
-        scored = (target_at < lengths[:, None]) & reply.gather(1, target_at.clamp(max=length - 1))
-        scored &= used.repeat_interleave(b, 1) & (offsets >= skip).repeat(count)[None, :]
-        index = self.draft_index()
-        if distill:  # the target's own next token after x_{a+j}, and its distribution over the draft vocabulary
-            state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1]))
-            rows = bound.logits(state, bound.rows)
-            soft = rows.softmax(-1)
-            ce = -(soft * logits.log_softmax(-1)).sum(-1)
-            # its greedy token: over the whole vocabulary when evaluating; in training (where the whole LM head would
-            # cost six times the draft vocabulary's) its likeliest draft-vocabulary token, almost always the same
-            greedy = (bound.logits(state, bound.head).argmax(-1) if not torch.is_grad_enabled()
-                      else self.draft_ids[rows.argmax(-1)])
-        else:
-            greedy = ids.gather(1, target_at.clamp(max=length - 1))
-            targets = index[greedy]
-            scored &= targets >= 0
-            ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view(batch, -1)
-        weight = (decay ** (offsets - skip).clamp(min=0).float()).repeat(count)[None, :] * scored
-        right = (logits.argmax(-1) == index[greedy]) & scored
-        # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
-        # (a block whose text ends early counts the guesses it has)
-        leading = right.view(batch, count, b)[..., skip:].long().cumprod(-1).sum(-1)
-        blocks_used = used.sum().clamp(min=1)
-        tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
-        scored_count = int(scored.sum())
-        loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
-        if feature_weight > 0 and top is not None:
-            state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1])).float()
-            error = (_unit(h.float()) - _unit(state)).pow(2).mean(-1)
-            loss = loss + feature_weight * (error * weight).sum() / weight.sum().clamp(min=1e-6)
-        first_right = (right.view(batch, count, b)[..., skip] & used).sum().float() / blocks_used
-        metrics = dict(tau=tau.detach(), first_right=first_right)
-        if distill:  # how often the text's next token is the target's own (1 on the target's own replies)
-            text = ids.gather(1, target_at.clamp(max=length - 1))
-            metrics["text_agreement"] = ((text == greedy) & scored).sum().float() / scored.sum().clamp(min=1)
-        return DraftLoss(loss=loss, tokens=scored_count, masked=scored_count, **metrics)
-
-
-def _unit(h: torch.Tensor) -> torch.Tensor:
-    """h scaled to unit root-mean-square per vector (RMSNorm without its weight)."""
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        """The drafting loss of a batch of text (DFlash's recipe): r2lm.drafter_loss.drafting_loss says what it is."""
+        return drafting_loss(self, self._bound(), captured, ids, valid, reply, blocks, generator, decay, feature_weight,
+                             distill)
 
 
 @dataclass
@@ -565,13 +459,3 @@ class DraftContext:
         self.kv.keep_rows(keep)
         self.last = self.last[keep]
 
-
-@dataclass
-class DraftLoss(Loss):
-    tau: torch.Tensor | None = None  # committed tokens per verification forward, were these blocks verified
-    first_right: torch.Tensor | None = None  # share of blocks whose first guess is right
-    text_agreement: torch.Tensor | None = None  # distillation: share of scored text tokens that are the target's own
-
-    def metrics(self) -> dict[str, torch.Tensor]:
-        out = {"tau": self.tau, "first_right": self.first_right}
-        return out if self.text_agreement is None else {**out, "text_agreement": self.text_agreement}

@@ -13,7 +13,8 @@ The attention mask and the sidecar's scope are both derived from it, so training
   (`causal`) or all of them (`block_causal`);
 - a window column sees clean columns of earlier chunks, and columns of its own window causally or fully;
 - `bidirectional`: every real column sees every real column;
-- columns already in a KV cache are clean and belong to earlier chunks: every column sees them;
+- columns already in a KV cache are clean and belong to earlier chunks: every column sees them (unless the
+  cache's columns have a layout of their own, which the predicate reads as well: `anchored_blocks`);
 - a kind with a window (r2lm.kind.Attention.window) hides every key that many positions or more before the query,
   cached ones included.
 
@@ -98,7 +99,8 @@ class Layout:
 
     @classmethod
     def cat(cls, *layouts: Layout) -> Layout:
-        """Columns of several layouts side by side (their chunk indices must already be distinct)."""
+        """Columns of several layouts side by side, their chunk indices kept (so they must already be numbered as
+        one layout's: distinct, but where a window and clean columns share a chunk on purpose, `anchored_blocks`)."""
         batch = max(lay.positions.shape[0] for lay in layouts)
         valid = None
         if any(lay.valid is not None for lay in layouts):
@@ -203,22 +205,30 @@ class Layout:
         attention a real key is in a query's own part only if it is in the query's stream."""
         return self.chunks.expand(self.rows, -1) * 2 + self.noisy.long()
 
-    def dense_mask(self, kind: str, part: str = "all") -> torch.Tensor:
-        """The predicate evaluated on every pair: bool [B or 1, T, T] (True = query row may see key column)."""
+    def dense_mask(self, kind: str, part: str = "all", queries: slice = slice(None)) -> torch.Tensor:
+        """The predicate evaluated on every pair: bool [B or 1, T, T] (True = query row may see key column);
+        `queries`: those query rows only."""
         cols = torch.arange(self.length, device=self.chunks.device)
-        rows = torch.arange(self.rows, device=cols.device)
-        mask = self.mask_mod(kind, part)(rows[:, None, None], None, cols[None, :, None], cols[None, None, :])
-        return mask.expand(self.rows, self.length, self.length)  # a part may not depend on every index
+        rows, asked = torch.arange(self.rows, device=cols.device), cols[queries]
+        mask = self.mask_mod(kind, part)(rows[:, None, None], None, asked[None, :, None], cols[None, None, :])
+        return mask.expand(self.rows, len(asked), self.length)  # a part may not depend on every index
 
     def mask_parts(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(own, earlier), bool [B or 1, T, T]: the two parts of the predicate (see `mask_mod`)."""
         return self.dense_mask(kind, "own"), self.dense_mask(kind, "earlier")
 
-    def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None) -> torch.Tensor:
+    def attention_mask(self, kind: str, cached: torch.Tensor | None = None, stale: torch.Tensor | None = None,
+                       context: Layout | None = None) -> torch.Tensor:
         """Boolean mask [B or 1, 1, T, C + T (+ S)] (True = attend) for softmax attention.
 
         `cached` [B, C] marks real columns already in a KV cache (clean, earlier chunks: see `cached_keys_seen`);
-        `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible."""
+        `stale` [B, S]: real columns after the input that an approximate (Fast-dLLM dual) cache keeps visible.
+        `context`: instead of `cached`, the layout of the C cached columns, when not every query sees every real one
+        (`anchored_blocks`): the predicate over [context ; self] decides, for this layout's queries."""
+        if context is not None:
+            if cached is not None or stale is not None:
+                raise ValueError("a context layout describes the cached columns: pass it instead of cached and stale")
+            return Layout.cat(context, self).dense_mask(kind, queries=slice(context.length, None))[:, None]
         allowed = self.dense_mask(kind)
         if cached is not None and cached.shape[1]:
             past = cached_keys_seen(kind, cached, self.positions).expand(-1, self.length, -1)
@@ -283,6 +293,31 @@ def _right_aligned(windows: list, device) -> torch.Tensor | None:
     width = max(len(r) for r in rows)
     return torch.stack([torch.cat([torch.full((width - len(r),), -1, dtype=torch.long, device=device), r.to(device)])
                         for r in rows])
+
+
+def anchored_blocks(valid: torch.Tensor, anchors: torch.Tensor, block_size: int) -> tuple[Layout, Layout]:
+    """A drafter's training batch (r2lm.drafter_loss): a text as context, and one block per anchor read over it.
+
+    valid [B, L]: the text's real columns, already in the drafter's cache: clean, column p at position p and alone in
+    chunk p. anchors [B, n], distinct within a row: block w of row r is one window of `block_size` columns at
+    positions a .. a + block_size - 1 (a = anchors[r, w]), in chunk a (as in `dual_stream`, a window and a clean
+    column share a chunk index in different streams). So a block sees the real context columns before its anchor
+    (what decoding holds in the drafter's cache before that block) and the columns of its own block (those at or
+    before a query's position under `causal`, all of them under `block_causal`), never another block's.
+
+    Returns (context, blocks): the cached columns' layout (plan_of's `context`) and the forward's input, the n
+    blocks side by side (block w at columns [w * block_size, (w + 1) * block_size)), each a sidecar window."""
+    length, count, device = valid.shape[1], anchors.shape[1], valid.device
+    columns, offsets = torch.arange(length, device=device), torch.arange(block_size, device=device)
+    context = Layout(positions=columns[None], chunks=columns, noisy=torch.zeros(length, dtype=torch.bool, device=device),
+                     valid=valid.bool())
+    blocks = Layout(
+        positions=(anchors[..., None] + offsets).flatten(1),
+        chunks=anchors.repeat_interleave(block_size, 1),
+        noisy=torch.ones(count * block_size, dtype=torch.bool, device=device),
+        window_columns=torch.arange(count * block_size, device=device).view(count, block_size),
+    )
+    return context, blocks
 
 
 def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction: str):

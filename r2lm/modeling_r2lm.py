@@ -37,7 +37,6 @@ from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.generation.mixin import R2LMGenerationMixin
 from r2lm.generation_config import decoding_generation_config
 from r2lm.layers import MLP, Attention, BlockHybridAttention, Mamba2Mixer, ReverseSidecar, RMSNorm, RotaryEmbedding
-from r2lm.layers.linear import Linear
 from r2lm.layout import Layout
 from r2lm.plan import ForwardPlan, plan_of
 
@@ -155,7 +154,7 @@ class R2LMForDiffusionLM(R2LMPreTrainedModel, R2LMGenerationMixin):
     def __init__(self, config: R2LMConfig):
         super().__init__(config)
         self.model = R2LMModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         self.generation_config = decoding_generation_config(config, self.generation_config)
 

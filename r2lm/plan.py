@@ -1,9 +1,11 @@
 """ForwardPlan: what every layer of one forward needs from its layout (RoPE tables, attention masks, the sidecar's
-windows, where keys go in the cache), derived once before the layers run, and `plan_of`, which derives it.
+windows, where keys go in the cache), derived once before the layers run; `plan_of`, which derives it from a
+layout, and `kept_plan`, which assembles it from masks a decoder keeps for a whole call.
 
-It sits below both the model (r2lm.modeling_r2lm) and the decoders (r2lm.generation), which keep the masks of the
-shapes they run over and over and build their plans from them (r2lm.generation.window); a drafter's stack of
-decoder layers (r2lm.drafter) builds its plans here too.
+Every ForwardPlan is made here (tests/project/test_plans.py checks it), so each mask comes from a Layout's one
+predicate of who sees whom. It sits below both the model (r2lm.modeling_r2lm) and the decoders (r2lm.generation),
+which keep the masks of the shapes they run over and over, built from template layouts (r2lm.generation.window);
+a drafter's stack of decoder layers (r2lm.drafter, and its training batch, r2lm.drafter_loss) is planned here too.
 """
 
 from __future__ import annotations
@@ -39,9 +41,14 @@ class ForwardPlan:
 
 
 def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, commit: int = 0,
-            transfer: bool = False, like: torch.Tensor | None = None) -> ForwardPlan:
+            transfer: bool = False, like: torch.Tensor | None = None, context: Layout | None = None) -> ForwardPlan:
     """The ForwardPlan of `layout` for a stack of `config`'s layers, read against `cache` when given; `commit` leading
     columns are appended to it. `like`: a tensor of the stack's dtype and device (for the RoPE tables).
+
+    The cache's keys are clean and in earlier chunks than the input's: every query sees every real one (see
+    r2lm.layout.cached_keys_seen). `context`: instead, the layout of the cache's columns, whose keys each query sees
+    as the predicate over [context ; layout] says (a drafter's training batch: each block sees the text before its
+    anchor, r2lm.layout.anchored_blocks).
 
     Without a cache, softmax layers attend through the layout's block-sparse tiles under
     attn_implementation="flex_attention" (r2lm.ops.flex) and through its dense mask under "sdpa" (the
@@ -50,6 +57,8 @@ def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, co
     kind, rule = config.attention, config.kind.attention
     if transfer and cache is not None:
         raise ValueError("attention transfer runs on a full layout, without a cache")
+    if context is not None and (cache is None or context.length != cache.length or config.hybrid_layers):
+        raise ValueError("a context layout describes the columns of a cache (of softmax layers), as many as it holds")
     # A single unpadded clean chunk with no cache needs no mask tensor: SDPA's causal (or unmasked) kernel; a window
     # needs one.
     plain = cache is None and layout.is_plain and not transfer and rule.window is None
@@ -57,7 +66,9 @@ def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, co
     softmax = transfer or len(config.hybrid_layers) < config.num_hidden_layers
     mask = blocks = None
     if softmax and not plain:
-        if cache is not None:
+        if context is not None:
+            mask = layout.attention_mask(kind, context=context)
+        elif cache is not None:
             mask = layout.attention_mask(kind, cache.valid[:, : cache.length], cache.stale_suffix(layout.length))
         elif config._attn_implementation == "flex_attention":
             blocks = block_sparse(layout, kind)
@@ -71,10 +82,22 @@ def plan_of(config, rotary_emb, layout: Layout, cache: KVCache | None = None, co
     cos, sin = rotary_emb(like, layout.positions)
     columns = keys = None
     if cache is not None:
-        columns = cache.columns[cache.length : cache.length + layout.length]
-        keys = max(cache.length + layout.length, cache.stale_end)
+        columns, keys = cache.scratch(layout.length), cache.keys_read(layout.length)
     return ForwardPlan(
         cos=cos, sin=sin, mask=mask, is_causal=plain and rule.causal, block_mask=blocks, own=own,
         earlier=earlier, hybrid=hybrid, valid=layout.valid, windows=layout.windows if config.sidecar_layers else None,
         columns=columns, keys=keys or 0, commit=commit, transfer=transfer,
     )
+
+
+def kept_plan(rotary_emb, like: torch.Tensor, cache: KVCache, offsets: torch.Tensor, mask: torch.Tensor, keys: int,
+              commit: int, own: torch.Tensor | None = None, earlier: torch.Tensor | None = None,
+              windows: torch.Tensor | slice | None = None) -> ForwardPlan:
+    """The ForwardPlan of a forward shape whose masks a decoder keeps for a whole call (r2lm.generation.window:
+    `mask` [B, 1, T, >= keys] over the cache's columns then the input's, `own` / `earlier` and `windows` as plan_of
+    derives them, all from the shape's template Layout). Its T = len(offsets) columns sit at `offsets` past each
+    row's next position, are written to the cache's scratch and read its columns [0, keys); `commit` leading ones
+    are appended to it."""
+    cos, sin = rotary_emb(like, cache.next_position[:, None] + offsets)
+    return ForwardPlan(cos=cos, sin=sin, mask=mask[..., :keys], own=own, earlier=earlier, windows=windows,
+                       columns=cache.scratch(len(offsets)), keys=keys, commit=commit)

@@ -199,7 +199,7 @@ class ContextCache:
             one = model.new_cache(1, head)
             model.prefill(context[None, :head], one)
             cache = model.new_cache(rows, size)
-            cache.length = head
+            cache.pad(head)
             for r in range(rows):
                 cache.place_row(r, one)
             self.caches[rows] = cache

@@ -1,5 +1,6 @@
-"""Documents as training reads them: tokenised (`encode`) and packed into sequences (`pack`). One implementation,
-for the training pipeline (train/data.py) and for every evaluation that must read text as training did."""
+"""Documents as training reads them: tokenised (`encode`) and packed into sequences (`pack`), separated by the EOS
+id `eos_id_of` chooses. One implementation, for the training pipeline (train/data.py) and for every evaluation that
+must read text as training did."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def pack(token_lists, eos_id: int, seq_len: int, carry: list[int] | None = None)
             flat.append(eos_id)
     n = len(flat) // seq_len
     return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)], flat[n * seq_len :]
+
+
+def eos_id_of(tokenizer, model_config) -> int:
+    """The separator `pack` appends to every document: the tokenizer's EOS, else the model config's (the first of a
+    list); ValueError when neither defines one."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = model_config.eos_token_id[0] if isinstance(model_config.eos_token_id, list) else model_config.eos_token_id
+    if eos is None:
+        raise ValueError("neither the tokenizer nor the model config defines an EOS token, which packing needs as separator")
+    return int(eos)

@@ -29,6 +29,7 @@ import torch
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.drafter import Drafter
+from r2lm.ops.linear import install
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = R2LMForDiffusionLM.from_pretrained(args.model).eval()
+    tuner = install(model)  # the CPU decode speedup, applied from outside (r2lm.ops.linear); shared by the drafters
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     reference = AutoModelForCausalLM.from_pretrained(args.reference, **extra).eval()
@@ -65,15 +67,18 @@ def main(argv=None) -> int:
                 "verify, lookup": (model, dict(verify=True, verify_draft="lookup", block_size=b))}
     shipped = Drafter.shipped(model)
     if shipped is not None:
+        install(shipped, tuner)
         decoders["verify, shipped drafter"] = (model, dict(verify=True, drafter=shipped))
     if args.drafter:
-        decoders["verify, --drafter"] = (model, dict(verify=True, drafter=Drafter.from_pretrained(args.drafter).eval()))
+        drafter = Drafter.from_pretrained(args.drafter).eval()
+        install(drafter, tuner)
+        decoders["verify, --drafter"] = (model, dict(verify=True, drafter=drafter))
     decoders["AR (backbone)"] = (without_sidecars(model), dict(block_size=1))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                              add_generation_prompt=True) for p in (args.prompt or PROMPTS)]
     inputs = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids for p in prompts]
     with torch.no_grad():
-        for m, o in decoders.values():  # warm-up: first-use measurements (r2lm.ops.linear, verification costs)
+        for m, o in decoders.values():  # warm-up: first-use measurements (product orders, verification costs)
             generate(m, inputs[0], **{**options, "max_new_tokens": 8}, **o)
         results = {name: [] for name in decoders}
         seconds = dict.fromkeys(decoders, 0.0)

@@ -7,7 +7,7 @@ Every key is declared once below with its type, default and help text; `--help` 
 
 A resumed run continues the checkpoint's optimizer, LR schedule, data order and noise exactly, so it refuses
 changed values of every key except those declared `resume_may_change` (they do not change what is computed:
-logging, evaluation and checkpoint frequency, export, tracking ...; train/pretrain.py check_resume).
+logging, evaluation and checkpoint frequency, export, tracking ...; train/checks.py check_resume).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+REPO = Path(__file__).resolve().parents[1]
 REQUIRED = object()  # sentinel default: the key must be given
 
 
@@ -267,6 +268,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     return cfg
 
 
+def resolve_path(value: str) -> Path:
+    """A path of the config (model, deepspeed): as given where it exists (or is absolute), else relative to the
+    repository, so that the shipped configs' configs/... paths work from any working directory."""
+    path = Path(value).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    return REPO / path if (REPO / path).exists() else path
+
+
 def _unknown_keys(cls, raw: dict, prefix: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in raw.items():
@@ -334,7 +344,7 @@ def _coerce(name: str, value, meta: dict):
 
 
 def check_values(cfg: TrainConfig) -> None:
-    """Value checks that need no file access (those come in pretrain.validate)."""
+    """Value checks that need no file access (those come in train/checks.py validate)."""
     positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "eval_batches"]
     for key in positive:
         if getattr(cfg, key) <= 0:

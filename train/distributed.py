@@ -1,10 +1,12 @@
-"""The ranks of one training run: the environment a launcher sets (or a plain `python` run gets), the process
-group, and decisions made once on rank 0 and shared with every rank."""
+"""The ranks of one training run: the environment a launcher sets (or a plain `python` run gets), each rank's
+logging, the process group, and decisions made once on rank 0 and shared with every rank."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from pathlib import Path
 
 
@@ -31,6 +33,30 @@ def setup_environment() -> tuple[int, int, int]:
             local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
     return rank, local_rank, world
+
+
+def setup_logging(rank: int, run_dir: Path | None) -> None:
+    """This rank's log lines, prefixed with its rank, to stderr (rank 0 from INFO, the others from WARNING); rank 0's
+    also to run_dir/train.log once the run has a folder (replacing an earlier in-process run's file)."""
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not any(getattr(h, "_r2lm", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(fmt)
+        handler._r2lm = True
+        root.addHandler(handler)
+    for handler in [h for h in root.handlers if getattr(h, "_r2lm_file", None)]:  # an earlier in-process run's
+        root.removeHandler(handler)
+        handler.close()
+    if run_dir is not None and rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(fmt)
+        file_handler._r2lm_file = str(run_dir)
+        root.addHandler(file_handler)
+    for noisy in ("deepspeed", "DeepSpeed", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def init_distributed(rank: int, world: int) -> None:

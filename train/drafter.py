@@ -75,7 +75,7 @@ def windows(ids: list[int], spans: list[tuple[int, int]], seq_len: int):
 def check_complete(file: str, what: str) -> None:
     """A teacher file (train/teacher_data.py writes FILE.settings beside it) is read only once its run wrote every
     record it was asked for (FILE.complete, with the count): not while a run writes it, nor a killed run's."""
-    from train.teacher_data import COMPLETE_SUFFIX, SETTINGS_SUFFIX
+    from train.teacher_records import COMPLETE_SUFFIX, SETTINGS_SUFFIX
 
     path = Path(file)
     if not path.with_name(path.name + SETTINGS_SUFFIX).is_file():

@@ -5,7 +5,7 @@
 The model is wrapped with peft's LoRA before deepspeed.initialize: adapters on `lora.target_modules` (q/k/v/o
 projections by default) of every layer, as LLaDA-Hybrid does; everything else is frozen, the feature maps and gates
 of the hybrid layers included. DeepSpeed checkpoints hold the wrapped model plus its adapter_config.json, so a run
-resumes exactly (adapter dropout draws from a generator reseeded every micro-step, see train/pretrain.py). The
+resumes exactly (adapter dropout draws from a generator reseeded every micro-step, see train/trainer.py). The
 export (OUTPUT_DIR/final) is the adapter alone, written with peft's save_pretrained from the last checkpoint; merge
 it into the run's starting checkpoint with `python -m convert merge-lora BASE OUTPUT_DIR/final DST`.
 """

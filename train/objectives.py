@@ -226,9 +226,10 @@ class Drafting(Objective):
 
     def data(self, plan, eos_id, rank, world, first_on_node, barrier):
         from r2lm.drafter import target_digest
-        from train.data import Data, resolve_source
+        from train.config import resolve_path
+        from train.data import Data
         from train.drafter import EvalBatches, TrainBatches, load_target, read_records
-        from train.pretrain import resolve_path
+        from train.sources import resolve_source
 
         cfg = self.cfg
         pad = plan.tokenizer.pad_token_id if plan.tokenizer.pad_token_id is not None else eos_id

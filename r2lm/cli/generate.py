@@ -31,6 +31,8 @@ from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.policy import POLICIES
 from r2lm.generation.sampling import CONFIDENCES
 from r2lm.modeling_r2lm import R2LMForDiffusionLM
+from r2lm.ops.linear import Tuner, install
+from r2lm.unmasking import RULES
 
 SHIPPED_DRAFTER = "(shipped)"  # --drafter without a folder: r2lm.drafter.Drafter.shipped(model)
 
@@ -46,10 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     decoding = parser.add_argument_group("decoding (default: the checkpoint's generation_config.json)")
     decoding.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default there: 128)")
     decoding.add_argument("--block-size", type=int, help="tokens decoded in parallel per block")
-    rule = decoding.add_mutually_exclusive_group()
-    rule.add_argument("--threshold", type=float, help="unmask every position at least this confident (Fast-dLLM)")
-    rule.add_argument("--factor", type=float, help="unmask the n most confident, n chosen by this factor (Fast-dLLM)")
-    rule.add_argument("--steps", type=int, help="denoising steps in all, a multiple of the number of blocks (LLaDA)")
+    rules = decoding.add_mutually_exclusive_group()  # one flag per unmasking rule of the table, as generate() takes
+    for name, rule in RULES.items():
+        rules.add_argument(f"--{name.replace('_', '-')}", dest=name, type=rule.parse, help=rule.help)
     decoding.add_argument("--confidence", choices=CONFIDENCES, help="how a position's confidence is measured")
     decoding.add_argument("--temperature", type=float, help="0 is greedy; above 0 samples")
     decoding.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument("--stop", action="append", metavar="TEXT", help="stop a prompt's output at TEXT; repeatable")
     decoding.add_argument("--no-cache", action="store_true", help="recompute everything every step (the exactness oracle)")
     decoding.add_argument("--compile", action="store_true", help="torch.compile the cached decode step")
+    products = decoding.add_mutually_exclusive_group()  # the CPU decode speedup, applied from outside the model
+    products.add_argument("--linear-decisions", metavar="FILE", type=Path,
+                          help="keep the order each few-row matrix product takes on this CPU (r2lm.ops.linear) in "
+                               "FILE: loaded when it exists (refused if made on another machine or torch), else "
+                               "measured in this run and saved there, so later runs compute the same bits")
+    products.add_argument("--plain-products", action="store_true",
+                          help="multiply as the plain model does (F.linear) instead of in the order measured fastest")
     verify = parser.add_argument_group("lossless verified decoding (the output is the model's own greedy AR text)")
     verify.add_argument("--verify", action="store_true",
                         help="draft --block-size tokens at a time, verify them with the causal pass (greedy only)")
@@ -113,10 +121,10 @@ def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.dev
 def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
     """The model.generate options given on the command line (the others come from generation_config.json)."""
     given = {
-        "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "threshold": args.threshold,
-        "factor": args.factor, "steps": args.steps, "confidence": args.confidence, "temperature": args.temperature,
-        "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop, "verify_draft": args.verify_draft,
-        "verify_windows": args.verify_windows,
+        "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "confidence": args.confidence,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop,
+        "verify_draft": args.verify_draft, "verify_windows": args.verify_windows,
+        **{name: getattr(args, name) for name in RULES},
     }
     options = {key: value for key, value in given.items() if value is not None}
     if args.seed is not None:
@@ -160,11 +168,18 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
                              "train/pretrain.py objective=drafter)")
     elif args.drafter:
         options["drafter"] = Drafter.from_pretrained(args.drafter).to(device).eval()
+    kept = args.linear_decisions is not None and args.linear_decisions.is_file()
+    if not args.plain_products:  # one tuner for the model and its drafter: they share their decisions
+        tuner = install(model, Tuner.load(args.linear_decisions) if kept else None)
+        if options.get("drafter") is not None:
+            install(options["drafter"], tuner)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
     start = time.perf_counter()
     out = model.generate(batch.input_ids.to(device), batch.attention_mask.to(device), return_dict_in_generate=True,
                          tokenizer=tokenizer, streamer=streamer, **options)
     seconds = time.perf_counter() - start
+    if args.linear_decisions is not None and not kept:
+        tuner.save(args.linear_decisions)
     if streamer is None:
         new = out.sequences[:, batch.input_ids.shape[1]:]
         for prompt, text in zip(args.prompt, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):

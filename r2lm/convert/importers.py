@@ -27,7 +27,6 @@ Layout facts, read from the source models' code:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Callable
@@ -38,7 +37,6 @@ import torch
 from transformers import AutoTokenizer, PreTrainedConfig
 
 from r2lm.checkpoints import (
-    OVERWRITE_HELP,
     check_destination,
     check_tokenizer,
     has_tokenizer,
@@ -445,75 +443,3 @@ def _load_tokenizer(src: Path, mask_id: int):
     else:
         logger.warning("mask token id %d is outside the tokenizer's %d tokens", mask_id, len(tok))
     return tok
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-
-_HELP = {
-    "llada": (
-        "from-llada",
-        "LLaDA 1 checkpoint (GSAI-ML/LLaDA-8B-*) -> bidirectional, inplace R2LM checkpoint",
-        "Import a LLaDA 1 checkpoint folder (OLMo-style config.json with d_model / n_heads / n_layers ..., "
-        "safetensors with model.transformer.{wte, blocks.N.*, ln_f, ff_out}, tokenizer if present) as an R2LM "
-        "checkpoint with attention=bidirectional and prediction=inplace (the [MASK] at i predicts token i). "
-        "The vocabulary is embedding_size (wte's padded row count). Bidirectional models take no sidecars.",
-    ),
-    "dream": (
-        "from-dream",
-        "Dream checkpoint (Dream-org/Dream-v0-*) -> bidirectional, shift R2LM checkpoint",
-        "Import a Dream checkpoint folder (Qwen2 layout with q/k/v bias, model_type 'Dream') as an R2LM "
-        "checkpoint with attention=bidirectional and prediction=shift (the hidden state at i-1 predicts token i, "
-        "as Dream's sampler shifts its logits). Bidirectional models take no sidecars.",
-    ),
-    "llada2": (
-        "from-llada2",
-        "dense LLaDA 2.x checkpoint -> block_causal, inplace R2LM checkpoint (MoE layers not supported)",
-        "Import a LLaDA 2.x checkpoint folder (model.word_embeddings, fused attention.query_key_value with "
-        "query/key_layernorm, partial RoPE, model.norm, lm_head) as an R2LM checkpoint with "
-        "attention=block_causal and prediction=inplace. Only dense checkpoints import: MoE layers "
-        "(num_experts set and first_k_dense_replace < num_hidden_layers; mlp.gate / mlp.experts / "
-        "mlp.shared_experts) are NOT supported by r2lm and are refused, e.g. LLaDA2.x-mini/flash.",
-    ),
-}
-_DEFAULT_MASK = {"llada": LLADA_MASK_ID, "dream": DREAM_MASK_ID, "llada2": LLADA2_MASK_ID}
-
-
-def add_parsers(sub, dtypes: dict, layer_list) -> None:
-    """Register from-llada, from-dream and from-llada2 on the `r2lm-convert` subparsers."""
-    for layout, (command, help_text, description) in _HELP.items():
-        p = sub.add_parser(command, help=help_text, description=description)
-        p.add_argument("src", help="source checkpoint folder (read only)")
-        p.add_argument("dst", help="output folder (written atomically)")
-        p.add_argument("--mask-token-id", type=int,
-                       help=f"[MASK] id (default: the config's mask_token_id, else {_DEFAULT_MASK[layout]})")
-        p.add_argument("--block-size", type=int,
-                       help=f"diffusion block length for training and decoding (default: the config's block_size, else {DEFAULT_BLOCK_SIZE})")
-        if layout == "llada2":
-            p.add_argument("--sidecar-layers", type=layer_list, default=[],
-                           help="layers that get a zero-gated reverse Mamba sidecar, e.g. 3,7,11")
-            p.add_argument("--d-state", type=int, default=64, help="sidecar SSM state size (default: %(default)s)")
-            p.add_argument("--expand", type=int, default=2, help="sidecar inner size / hidden size (default: %(default)s)")
-            p.add_argument("--headdim", type=int, default=64, help="sidecar SSM head size (default: %(default)s)")
-            p.add_argument("--ngroups", type=int, default=1, help="sidecar B/C groups (default: %(default)s)")
-            p.add_argument("--chunk-size", type=int, default=64, help="sidecar SSD chunk length (default: %(default)s)")
-            p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
-        p.add_argument("--dtype", choices=sorted(dtypes), help="output dtype (default: the stored weights')")
-        p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-        p.set_defaults(run=_runner(layout, dtypes))
-
-
-def _runner(layout: str, dtypes: dict):
-    def run(args: argparse.Namespace) -> None:
-        sidecar = {}
-        if layout == "llada2":
-            sidecar = dict(
-                sidecar_layers=args.sidecar_layers, sidecar_d_state=args.d_state, sidecar_expand=args.expand,
-                sidecar_headdim=args.headdim, sidecar_ngroups=args.ngroups, sidecar_chunk_size=args.chunk_size,
-                seed=args.seed,
-            )
-        import_checkpoint(
-            layout, args.src, args.dst, mask_token_id=args.mask_token_id, block_size=args.block_size,
-            dtype=dtypes.get(args.dtype), overwrite=args.overwrite, **sidecar,
-        )
-
-    return run

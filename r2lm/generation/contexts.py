@@ -260,9 +260,7 @@ class Canvas:
             self.cache = KVCache(model.config, canvas.shape[0], canvas.shape[1], model.dtype, model.device)
             logits = model(canvas, attention_mask=self.mask, cache=self.cache, update_cache=True,
                            logits_to_keep=slice(first, first + n)).logits
-            self.cache.rewind(first)
-            if self.approximate == "dual":
-                self.cache.stale_end = canvas.shape[1]
+            self.cache.rewind(first, keep_stale=self.approximate == "dual")
             return logits
         stop = first + n if self.approximate == "dual" else canvas.shape[1]
         return model(canvas[:, first:stop], cache=self.cache, logits_to_keep=slice(0, n)).logits

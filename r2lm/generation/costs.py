@@ -3,8 +3,8 @@ width, and of a drafter's forward by its rows (r2lm.generation.policy weighs the
 
 No machine's constants: `MeasuredCosts` times the forwards themselves, the first time a model decodes with a draft
 source at a batch size (a few forwards of each measured width at the call's rows and at one row, on a scratch cache
-of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
-r2lm.ops.linear keeps its decisions. Widths and row counts between the measured ones are interpolated linearly:
+of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as a
+r2lm.ops.linear tuner keeps its decisions. Widths and row counts between the measured ones are interpolated linearly:
 a forward's cost is close to affine in its columns and its rows. The measurement never touches the call's cache,
 so it changes no output: what verified decoding commits is the target's greedy text whatever the costs are.
 
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from r2lm.ops.linear import undecided
+from r2lm.ops.linear import tuner_of
 
 TRIALS = 3  # timed forwards per measured shape, after untimed ones (allocation, kernel choice, product orders)
-SETTLE = 40  # at most this many untimed forwards per shape: r2lm.ops.linear times its orders in a shape's first ones
+SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner times its orders in a shape's first ones
 
 
 class StepCosts(ABC):
@@ -88,11 +88,13 @@ class MeasuredCosts(StepCosts):
 
     `forward(rows, width)` returns a callable that runs one such forward on a scratch state, `drafting(rows)` one
     that runs the drafter's (None: no drafter): r2lm.generation.drafts builds them with the same code its steps
-    run."""
+    run. `models`: the modules those forwards run (the target, its drafter), whose r2lm.ops.linear tuners, if
+    installed, must have decided their product orders before a forward is timed."""
 
     def __init__(self, forward: Callable[[int, int], Callable[[], object]], widths: list[int],
-                 drafting: Callable[[int], Callable[[], object]] | None, device: torch.device):
+                 drafting: Callable[[int], Callable[[], object]] | None, device: torch.device, models=()):
         self.forward, self.widths, self.drafting, self.device = forward, widths, drafting, device
+        self.tuners = {id(t): t for t in map(tuner_of, models) if t is not None}.values()
         self.verify_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds
         self.draft_table: dict[int, float] = {}  # rows -> seconds
 
@@ -105,10 +107,10 @@ class MeasuredCosts(StepCosts):
             drafting = None if self.drafting is None else self.drafting(r)
             if drafting is not None:
                 runs["draft"] = drafting
-            for fn in runs.values():  # untimed: until r2lm.ops.linear has decided every product order they use
+            for fn in runs.values():  # untimed: until the tuners have decided every product order they use
                 for _ in range(SETTLE):
                     fn()
-                    if not undecided():
+                    if not any(t.undecided() for t in self.tuners):
                         break
             times: dict = {k: [] for k in runs}
             for _ in range(TRIALS):  # interleaved: a load that comes and goes hits every width alike

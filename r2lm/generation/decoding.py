@@ -3,16 +3,16 @@
     for each block of max_new_tokens:
         until the block has no [MASK]:                 # the loop's exit test: the one host sync of a step
             logits = context.read(block)               # the block's logits (exact cache, recompute, canvas...)
-            propose a token per masked position, unmask by the rule (>= 1 per row)
+            propose a token per masked position, unmask by the rule (>= 1 per row; its plan made at the block's start)
             step_callback(StepInfo); EOS stops rows
-        stop strings, stopping criteria, streamer
+        stop strings, stopping criteria, streamer      # r2lm.generation.stopping: the tail both loops share
         context.commit(block)                          # exact cache: appended by the next block's first read
         rows that finished leave the batch (context.keep_rows)
 
 How the committed text is held and read is the context's business (r2lm.generation.contexts): the exact KV cache
 of causal and block_causal models, its recompute oracle (use_cache=False), and the canvas of bidirectional
-models with their approximate caches. Unmasking rules and confidences: r2lm.generation.sampling. Options and
-their checks: r2lm.generation.options. `model.generate` reaches this through r2lm.generation.mixin.
+models with their approximate caches. Unmasking rules: the table of r2lm.unmasking; confidences:
+r2lm.generation.sampling. Options and their checks: r2lm.generation.options. `model.generate` reaches this through r2lm.generation.mixin.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 from r2lm.generation.contexts import open_context
 from r2lm.generation.options import Request, make_request
 from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
-from r2lm.generation.sampling import propose, schedule, select
+from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
 from r2lm.generation.verify import decode_verified
+from r2lm.unmasking import select
 
 
 @torch.no_grad()
@@ -34,10 +35,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     Options (r2lm.generation.options groups them, each group checked beside the code that uses it; defaults come
     from `generation_config`, else the model's generation_config.json): max_new_tokens=128, suffix_ids (infilling);
-    block_size (the model's), one unmasking rule: threshold=0.9 | factor | steps (LLaDA's total steps); confidence
-    ("max_prob", "margin", "entropy"); temperature=0.0 (greedy), top_k, top_p, do_sample, generator; eos_token_id,
-    pad_token_id, stop_strings + tokenizer, stopping_criteria (transformers StoppingCriteria, checked after each
-    block; verify=True: after every token), streamer, step_callback (called with a StepInfo after every step);
+    block_size (the model's), one unmasking rule of r2lm.unmasking.RULES: threshold=0.9 | factor | steps
+    (LLaDA's total steps); confidence ("max_prob", "margin", "entropy"); temperature=0.0 (greedy), top_k, top_p,
+    do_sample, generator; eos_token_id, pad_token_id, stop_strings + tokenizer, stopping_criteria (transformers
+    StoppingCriteria, checked after each block; verify=True: after every token), streamer, step_callback (called
+    with a StepInfo after every step);
     use_cache=True, compile=False (torch.compile the cached decode step), prefix_cache (an r2lm.prefix.PrefixCache:
     exact cross-request reuse); verify=False (lossless: the model's greedy AR output, drafted and verified by the
     causal pass, r2lm.generation.verify; block_size is then the draft length) with verify_windows (drafting
@@ -56,8 +58,6 @@ def decode(model, r: Request) -> GenerateOutput:
     u, s = r.unmasking, r.sampling
     canvas = torch.cat([ids, ids.new_full((batch, n), r.mask_id), suffix], 1)
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask)
-    stopper.stream(ids)
-    steps_per_block = u.steps // r.num_blocks if u.steps else None
     step = end = 0
     row_steps = torch.zeros((), dtype=torch.long, device=ids.device)  # read once, at the end: no sync per step
     # The rows still decoding: once a row has finished (EOS, a stop) it leaves the forwards at the end of its block,
@@ -74,17 +74,19 @@ def decode(model, r: Request) -> GenerateOutput:
             columns = kind.window_columns(prompt_len, start, end, b, n, suffix.shape[1])
             window = work[:, columns]  # a view: it follows the unmasking
             inputs = min(columns.stop - prompt_len, end) - start  # block positions that are window inputs
-            counts = schedule(block == r.mask_id, steps_per_block) if steps_per_block else None
             masked, window_masked, done = block == r.mask_id, inputs > 0, False  # a running row's new block: all [MASK]
+            plan = u.plan(masked, r.num_blocks)
+            # every row's first position of the step's columns, for the step callback (rows share the block's)
+            starts = torch.full((batch,), start, device=ids.device) if r.step_callback is not None else None
             for i in range(end - start):  # at least one token per row and step: at most L steps
                 logits = context.read(start, window, end - start, clean=not window_masked)
                 row_steps += masked.any(1).sum()  # the rows this step decodes
                 tokens, conf = propose(logits, r.mask_id, s.temperature, s.top_k, s.top_p, u.confidence, s.generator)
-                take = select(conf, masked, u.threshold, u.factor, counts[:, i] if counts is not None else None)
+                take = select(conf, masked, plan, u.rule, i)
                 block.copy_(torch.where(take, tokens, block))
                 if r.step_callback is not None:
                     seen = ((masked, False), (tokens, stopper.pad_id), (conf, 0.0), (take, False), (logits, 0.0))
-                    r.step_callback(StepInfo(step, start, *(spread(x, rows, batch, f) for x, f in seen)))
+                    r.step_callback(StepInfo(step, starts, *(spread(x, rows, batch, f) for x, f in seen)))
                 stopper.check_eos(block, start, rows)
                 step += 1
                 masked = block == r.mask_id
@@ -97,10 +99,9 @@ def decode(model, r: Request) -> GenerateOutput:
                     break
             if rows is not None:  # the text of the rows that left is final in the canvas; bring the others' up to date
                 canvas[rows, prompt_len + start : prompt_len + end] = block
-            if stopper.end_block(canvas, prompt_len, end):  # stop strings / criteria (they read the text anyway)
+            if stopper.advance(canvas, prompt_len, end):  # stop strings / criteria (they read the text anyway)
                 finished = stopper.finished if rows is None else stopper.finished[rows]
                 done, leaving = (bool(x) for x in torch.stack([finished.all(), finished.any()]).tolist())
-            stopper.stream(canvas[:, prompt_len + start : prompt_len + end], start)
             if done:
                 break
             context.commit(window)
@@ -111,7 +112,5 @@ def decode(model, r: Request) -> GenerateOutput:
                 context.keep_rows(stay, work)
     finally:
         context.close()
-    stopper.end()
-    sequences = stopper.trim(canvas[:, : prompt_len + end], prompt_len)
-    return GenerateOutput(sequences=sequences, nfe=context.forwards, steps=step, new_tokens=stopper.count(end),
-                          row_steps=int(row_steps))
+    # whole blocks: as wide as the last block decoded
+    return stopper.output(canvas[:, : prompt_len + end], prompt_len, context.forwards, step, row_steps)

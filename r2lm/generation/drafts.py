@@ -126,9 +126,11 @@ class Drafts(ABC):
         def forward(rows: int, width: int):
             return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
 
-        costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, measured_widths(max(self.widths))
-                                                               if len(self.widths) > 2 else list(self.widths),
-                                                               self.timed_drafting, s.device))
+        widths = measured_widths(max(self.widths)) if len(self.widths) > 2 else list(self.widths)
+        drafter = getattr(self, "drafter", None)
+        models = (s.model,) if drafter is None else (s.model, drafter)  # whose product orders must settle first
+        costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, widths, self.timed_drafting, s.device,
+                                                               models))
         costs.measure(s.batch)
         return costs
 

@@ -3,14 +3,14 @@ arguments, every value checked (a ValueError naming the argument) before any for
 
 Precedence, as in transformers: keyword arguments > the `generation_config` argument > `model.generation_config`
 (the checkpoint's generation_config.json) > the defaults (r2lm.generation_config). The decoding options of a
-diffusion decoder (block_size, threshold, factor, steps, confidence) are stored in generation_config.json next to
+diffusion decoder (block_size, one unmasking rule, confidence) are stored in generation_config.json next to
 transformers' own keys (eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, max_new_tokens,
 stop_strings).
 
 A Request is option groups, each checked beside the code that uses it:
 
     prompt       Prompt       input_ids, attention_mask, suffix_ids                      here
-    unmasking    Unmasking    block_size, threshold | factor | steps, confidence         r2lm.generation.sampling
+    unmasking    Unmasking    block_size, one rule of r2lm.unmasking.RULES, confidence   r2lm.generation.sampling
     sampling     Sampling     temperature, top_k, top_p, do_sample, generator            r2lm.generation.sampling
     stopping     Stopping     eos / pad ids, stop_strings + tokenizer, criteria, streamer r2lm.generation.stopping
     caching      Caching      use_cache, compile, approximate_cache, prefix_cache, bicache r2lm.generation.contexts
@@ -25,16 +25,17 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from r2lm.generation.checks import positive_int
+from r2lm.checks import positive_int
 from r2lm.generation.contexts import Caching
 from r2lm.generation.sampling import Sampling, Unmasking
 from r2lm.generation.stopping import Stopping
 from r2lm.generation.verify import Verifying
-from r2lm.generation_config import DECODING_KEYS, DEFAULT_MAX_NEW_TOKENS, RULES, SHARED_KEYS
+from r2lm.generation_config import DECODING_KEYS, DEFAULT_MAX_NEW_TOKENS, SHARED_KEYS
+from r2lm.unmasking import RULES
 
-# every keyword generate() takes, by group
+# every keyword generate() takes, by group; and one per unmasking rule, read from RULES when a call is checked
 OPTIONS = {
-    "prompt": ("suffix_ids",), "length": ("max_new_tokens",), "unmasking": ("block_size", *RULES, "confidence"),
+    "prompt": ("suffix_ids",), "length": ("max_new_tokens",), "unmasking": ("block_size", "confidence"),
     "sampling": ("temperature", "top_k", "top_p", "do_sample", "generator"),
     "stopping": ("eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "stopping_criteria", "streamer"),
     "caching": ("use_cache", "compile", "approximate_cache", "prefix_cache", "bicache"),
@@ -50,7 +51,7 @@ def options_of(generation_config: GenerationConfig | None) -> dict:
     if not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}")
     diff = generation_config.to_diff_dict()
-    return {k: diff[k] for k in (*DECODING_KEYS, *SHARED_KEYS) if k in diff and diff[k] is not None}
+    return {k: diff[k] for k in (*DECODING_KEYS, *RULES, *SHARED_KEYS) if k in diff and diff[k] is not None}
 
 
 def merge_options(model, generation_config, kwargs: dict) -> dict:
@@ -113,7 +114,7 @@ class Request:
 
 def make_request(model, input_ids, attention_mask=None, generation_config=None, **kwargs) -> Request:
     """Check every argument (ValueError naming the problem) and fill defaults (see the module docstring)."""
-    known = {name for names in OPTIONS.values() for name in names}
+    known = {name for names in OPTIONS.values() for name in names} | set(RULES)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown generate() option(s) {unknown}; known: {sorted(known)}")

@@ -35,14 +35,18 @@ class GenerateOutput(ModelOutput):
 
 @dataclass
 class StepInfo:
-    """What a step callback sees of one denoising step: the block's generated positions [start, start + L)."""
+    """What a step callback sees of one denoising step: row b's generated positions [start[b], start[b] + L).
+
+    decode: the block's positions, the same start for every row; verify=True: each row's draft, after the tokens
+    it has committed (rows commit their own lengths), `proposals` the draft and `accepted` its tokens that
+    verification accepted. A row that has finished shows nothing masked and nothing accepted."""
 
     step: int  # index of the step in the call
-    start: int | torch.Tensor  # verify=True: [B], each row's own (rows commit their own lengths)
-    masked: torch.Tensor  # [B, L] positions masked before the step
+    start: torch.Tensor  # [B] long: each row's first generated position of the step's columns
+    masked: torch.Tensor  # [B, L] positions masked before the step (verify=True: the draft's, of rows decoding)
     proposals: torch.Tensor  # [B, L] the token each position would take
     confidence: torch.Tensor  # [B, L]
-    accepted: torch.Tensor  # [B, L] positions unmasked by this step
+    accepted: torch.Tensor  # [B, L] positions unmasked by this step (their proposal is committed)
     logits: torch.Tensor  # [B, L, V]
 
 

@@ -1,5 +1,5 @@
-"""Per-step choices of a parallel decoder, vectorised over rows: what token each masked position would take,
-how confident the model is in it, and which positions to unmask now.
+"""Per-step choices of a parallel decoder, vectorised over rows: what token each masked position would take and
+how confident the model is in it (which positions to unmask now: the rules of r2lm.unmasking).
 
 The proposal is the most likely token other than [MASK] (or a sample without it); its confidence comes from the
 model's unmodified softmax p, [MASK] included, as LLaDA's and Fast-dLLM's samplers compute it:
@@ -8,14 +8,8 @@ model's unmodified softmax p, [MASK] included, as LLaDA's and Fast-dLLM's sample
     entropy    exp(-H(p))                    (a monotone map of negative entropy: same ranking, 1 for a sure token)
 all in [0, 1], so one threshold fits every measure.
 
-Unmasking rules (each takes at least one token per row that still has a [MASK]):
-    threshold  every masked position with confidence >= threshold (Fast-dLLM)
-    factor     the n most confident, for the largest n whose n-th confidence >= 1 - factor / (n + 1) (Fast-dLLM)
-    steps      LLaDA's schedule: a block's steps share its masked tokens evenly, the first (m mod s) steps taking
-               one more (`schedule`), the most confident first
-
-The generate() options that choose them are checked here: `Unmasking` (block_size, the rule, confidence) and
-`Sampling` (temperature, top_k, top_p, do_sample, generator).
+The generate() options that choose them are checked here: `Unmasking` (block_size, one rule of the table
+r2lm.unmasking.RULES with its value, confidence) and `Sampling` (temperature, top_k, top_p, do_sample, generator).
 """
 
 from __future__ import annotations
@@ -25,21 +19,20 @@ from dataclasses import dataclass
 
 import torch
 
-from r2lm.generation.checks import positive_int, real
-from r2lm.generation_config import DEFAULT_THRESHOLD, RULES
+from r2lm.checks import positive_int, real
+from r2lm.unmasking import DEFAULT_RULE, RULES
 
 CONFIDENCES = ("max_prob", "margin", "entropy")
 
 
 @dataclass(frozen=True)
 class Unmasking:
-    """How a denoising step unmasks: exactly one rule (threshold, factor, or LLaDA's `steps` in total), positions
-    ranked by `confidence`, in blocks of `block_size` generated tokens."""
+    """How a denoising step unmasks: exactly one rule of RULES with its value, positions ranked by `confidence`, in
+    blocks of `block_size` generated tokens."""
 
     block_size: int
-    threshold: float | None = DEFAULT_THRESHOLD
-    factor: float | None = None
-    steps: int | None = None
+    rule: str = DEFAULT_RULE[0]
+    value: object = DEFAULT_RULE[1]
     confidence: str = "max_prob"
 
     @classmethod
@@ -47,23 +40,17 @@ class Unmasking:
         block_size = positive_int("block_size", options.get("block_size", model_block_size))
         given = [rule for rule in RULES if options.get(rule) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one unmasking rule among {RULES}, got {given}")
-        threshold = DEFAULT_THRESHOLD if not given else options.get("threshold")
-        factor, steps = options.get("factor"), options.get("steps")
-        if threshold is not None and not (real(threshold) and 0 < threshold <= 1):
-            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-        if factor is not None and not (real(factor) and factor > 0):
-            raise ValueError(f"factor must be a positive number, got {factor!r}")
-        num_blocks = -(-max_new_tokens // block_size)
-        if steps is not None:
-            steps = positive_int("steps", steps)
-            if steps % num_blocks:
-                raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks}: "
-                                 f"max_new_tokens {max_new_tokens} in blocks of {block_size}), as in LLaDA")
+            raise ValueError(f"give at most one unmasking rule among {tuple(RULES)}, got {given}")
+        rule, value = (given[0], options[given[0]]) if given else DEFAULT_RULE
+        value = RULES[rule].check(value, block_size, max_new_tokens)
         confidence = options.get("confidence", "max_prob")
         if confidence not in CONFIDENCES:
             raise ValueError(f"unknown confidence {confidence!r}; expected one of {CONFIDENCES}")
-        return cls(block_size, threshold, factor, steps, confidence)
+        return cls(block_size, rule, value, confidence)
+
+    def plan(self, masked: torch.Tensor, num_blocks: int):
+        """The rule's plan for a block whose masked positions are `masked` [B, L] (what `select` reads)."""
+        return RULES[self.rule].plan(self.value, masked, num_blocks)
 
 
 @dataclass(frozen=True)
@@ -143,30 +130,3 @@ def propose(logits: torch.Tensor, mask_id: int, temperature: float = 0.0, top_k=
     elif confidence != "entropy":
         raise ValueError(f"unknown confidence {confidence!r}; expected one of {CONFIDENCES}")
     return tokens, conf
-
-
-def schedule(masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """LLaDA's get_num_transfer_tokens: tokens to unmask at each of `steps` steps, [B, steps], from each row's
-    masked positions masked [B, L]: m // steps each, and one more in the first m % steps steps."""
-    m = masked.sum(-1, keepdim=True)
-    first = torch.arange(steps, device=masked.device) < (m % steps)
-    return m // steps + first.long()
-
-
-def select(conf: torch.Tensor, masked: torch.Tensor, threshold=None, factor=None, counts=None) -> torch.Tensor:
-    """Which masked positions to unmask: bool [B, L]. Exactly one rule among threshold / factor / counts (tokens
-    per row, [B], from `schedule`)."""
-    scores = conf.masked_fill(~masked, float("-inf"))
-    if threshold is not None:  # the surest position of each row always goes, and every other that passes
-        best = torch.arange(scores.shape[-1], device=scores.device) == scores.argmax(-1, keepdim=True)
-        return (best | (scores >= threshold)) & masked
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    rank = order.argsort(dim=-1)  # rank[b, j]: 0 for the most confident masked position of row b
-    if factor is not None:
-        ranked = scores.gather(-1, order)
-        n = torch.arange(1, conf.shape[-1] + 1, device=conf.device)
-        passing = (ranked >= 1 - factor / (n + 1)).long().cumprod(-1).sum(-1, keepdim=True)
-        k = passing.clamp(min=1)
-    else:
-        k = counts[:, None]
-    return (rank < k) & masked

@@ -1,5 +1,12 @@
-"""When each row of a generate() call stops (EOS, stop strings, transformers StoppingCriteria, max_new_tokens)
-and what the streamer receives; the options that say so (`Stopping`) and their checks."""
+"""When each row of a generate() call stops (EOS, stop strings, transformers StoppingCriteria, max_new_tokens),
+what the streamer receives, and the call's output once its rows have stopped; the options that say so
+(`Stopping`) and their checks.
+
+Both decode loops (r2lm.generation.decoding, r2lm.generation.verify) end the same way through a `Stopper`: EOS
+checked on every step's tokens (`check_eos`), the text that every row has final checked for stop strings and
+criteria and streamed (`advance`), the output trimmed after each row's stop (`output`). What stays theirs: when
+text is final (decode: a whole block; verify: the text the slowest row has), and how wide the output is.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from r2lm.generation.checks import token_list
+from r2lm.checks import token_list
+from r2lm.generation.outputs import GenerateOutput
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Stopping:
 
 class Stopper:
     """Per-row stopping under the `Stopping` options `r`. `stop_at[row]` is the number of generated tokens the row
-    keeps (-1 while running)."""
+    keeps (-1 while running). The streamer receives the `prompt` first, as transformers' generate sends it."""
 
     def __init__(self, r: Stopping, prompt: torch.Tensor, prompt_mask: torch.Tensor, every_token: bool = False):
         batch, device = prompt.shape[0], prompt.device
@@ -70,10 +78,17 @@ class Stopper:
         width = max(map(len, self.stop_strings), default=0)
         self.prompt_tails = [row[keep.bool()].tolist()[-width:] for row, keep in zip(prompt, prompt_mask, strict=True)
                              ] if width else []
+        self.streamed = 0  # generated tokens [0, streamed) of every row have been streamed
+        self.stream(prompt)
 
     @property
     def finished(self) -> torch.Tensor:
         return self.stop_at >= 0
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether `advance` has anything to do: stop strings, criteria or a streamer."""
+        return bool(self.stop_strings or self.criteria or self.streamer)
 
     def check_eos(self, block: torch.Tensor, start, rows: torch.Tensor | None = None) -> None:
         """Rows whose block (generated tokens [start, start + L); `start` an int or per row) holds an EOS with no
@@ -119,6 +134,15 @@ class Stopper:
         self.judged = end
         return True
 
+    def advance(self, sequences: torch.Tensor, prompt_len: int, end: int) -> bool:
+        """Generated tokens [0, end) of every row of sequences [B, prompt_len + >= end] are final: stop strings and
+        criteria on them (`end_block`), and the tokens not streamed yet to the streamer. Returns whether there were
+        stops to check."""
+        checked = self.end_block(sequences, prompt_len, end)
+        self.stream(sequences[:, prompt_len + self.streamed : prompt_len + end], self.streamed)
+        self.streamed = end
+        return checked
+
     def _stops_within(self, row: int, tokens: list[int]) -> bool:
         """Whether a stop string ends within the text of generated `tokens` (it may begin in the prompt)."""
         tail = self.prompt_tails[row]
@@ -137,8 +161,8 @@ class Stopper:
         return int(torch.where(self.finished, self.stop_at.clamp(max=n), n).sum())
 
     def stream(self, tokens: torch.Tensor, start: int | None = None) -> None:
-        """Send committed tokens to the streamer: the prompt first (as transformers' generate does), then each
-        block; for a single row, only the tokens before its stop."""
+        """Send tokens to the streamer: the prompt (`start` None), or generated tokens [start, start + L) that are
+        final; for a single row, only the tokens before its stop."""
         if self.streamer is None:
             return
         if start is not None:
@@ -150,6 +174,11 @@ class Stopper:
         if tokens.numel():
             self.streamer.put(tokens.cpu())
 
-    def end(self) -> None:
+    def output(self, sequences: torch.Tensor, prompt_len: int, nfe: int, steps: int, row_steps) -> GenerateOutput:
+        """The call's output once it has decoded generated tokens [0, end) of sequences [B, prompt_len + end]: the
+        stream ended, every row padded after its stop, its tokens counted up to its stop. `row_steps` may be a
+        tensor: it is read here, once."""
         if self.streamer is not None:
             self.streamer.end()
+        return GenerateOutput(sequences=self.trim(sequences, prompt_len), nfe=nfe, steps=steps,
+                              new_tokens=self.count(sequences.shape[1] - prompt_len), row_steps=int(row_steps))

@@ -94,13 +94,16 @@ class Verifying:
         draft = options.get("verify_draft") or ("lookup+drafter" if drafter is not None else "window")
         if draft not in DRAFTS:
             raise ValueError(f"verify_draft must be one of {tuple(DRAFTS)}, got {draft!r}")
-        if (draft != "window" or drafter is not None) and not verify:
+        # what the kind drafts from (its declared sources), not its name, decides which options it takes
+        windowed, drafted = ("window" in DRAFTS[draft].sources), ("drafter" in DRAFTS[draft].sources)
+        if (not windowed or drafter is not None) and not verify:
             raise ValueError("verify_draft and drafter set how verify=True drafts; pass verify=True")
-        if draft != "window" and windows is not None:
+        if not windowed and windows is not None:
             raise ValueError(f"verify_windows counts drafting windows; verify_draft={draft!r} drafts without any")
-        if ("drafter" in draft) != (drafter is not None):
+        if drafted != (drafter is not None):
+            users = " or ".join(repr(name) for name, kind in DRAFTS.items() if "drafter" in kind.sources)
             raise ValueError(f"verify_draft={draft!r} " + ("needs a drafter (drafter=...)" if drafter is None else
-                             "does not use the drafter given: use verify_draft='drafter' or 'lookup+drafter'"))
+                             f"does not use the drafter given: use verify_draft={users}"))
         policy = options.get("verify_policy", "adaptive")
         if policy != "adaptive" and not verify:
             raise ValueError("verify_policy sets how verify=True drafts; pass verify=True")
@@ -166,12 +169,10 @@ def decode_verified(model, r) -> GenerateOutput:
                  drafts.key)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
-    stopper.stream(ids)
-    reads_text = bool(stopper.stop_strings or stopper.criteria or stopper.streamer)
     cols = torch.arange(b, device=s.device)
     opener = ids[:, -1:]
     leave = not r.caching.compile  # a finished row leaves the forwards (not under compile=True: a new batch size recompiles)
-    iterations = streamed = 0
+    iterations = 0
     row_steps = torch.zeros((), dtype=torch.long, device=s.device)
     try:
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
@@ -187,9 +188,9 @@ def decode_verified(model, r) -> GenerateOutput:
             live = ~done[s.rows]
             length = torch.where(live, (agreed + 1).clamp(max=width), 0)  # tokens each row commits: ar[:, :length]
             row_steps += live.sum()
-            if r.step_callback is not None:
-                shown = ((torch.ones_like(ar, dtype=torch.bool), 0), (draft[:, :width], r.mask_id),
-                         (confidence[:, :width], 0), (agrees.bool(), 0), (logits, 0))
+            if r.step_callback is not None:  # a row that is done (compile=True keeps it) decodes nothing
+                shown = ((live[:, None] & torch.ones_like(ar, dtype=torch.bool), False), (draft[:, :width], r.mask_id),
+                         (confidence[:, :width], 0), (agrees.bool() & live[:, None], False), (logits, 0))
                 r.step_callback(StepInfo(iterations, s.written.clone(), *(spread(x, s.rows, s.batch, f) for x, f in shown)))
             opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])
             kept = cols[:width] < length[:, None]
@@ -212,11 +213,9 @@ def decode_verified(model, r) -> GenerateOutput:
             seen = Proposal(outcome[3 + rows : at].astype(np.int64).reshape(rows, b),
                             outcome[at : at + rows * b].reshape(rows, b), outcome[at + rows * b :].astype(np.int64))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
-            if reads_text:  # stop strings, criteria and the streamer read the text every row has so far
+            if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, s.n, s.written.clamp(max=s.n)).min())
-                stopper.end_block(torch.cat([ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
-                stopper.stream(s.out[:, streamed:aligned], streamed)
-                streamed = aligned
+                stopper.advance(torch.cat([ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
                 done = stopper.finished | (s.written >= s.n)
                 over, left = torch.stack([done.all(), done[s.rows].any()]).tolist()
             if over:
@@ -235,10 +234,7 @@ def decode_verified(model, r) -> GenerateOutput:
             width = drafts.width(seen)
     finally:
         s.context.close()
-    stopper.end()
     # as wide as the row that kept most: a row's accepted draft may run past its stop (EOS, a stop string) or
     # ahead of the rows the stop strings waited for
     end = min(s.n, int(torch.where(stopper.finished, stopper.stop_at, s.written).max()))
-    sequences = stopper.trim(torch.cat([ids, s.out[:, :end]], 1), s.prompt_len)
-    return GenerateOutput(sequences=sequences, nfe=s.reader.forwards, steps=iterations, new_tokens=stopper.count(end),
-                          row_steps=int(row_steps))
+    return stopper.output(torch.cat([ids, s.out[:, :end]], 1), s.prompt_len, s.reader.forwards, iterations, row_steps)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from r2lm.layout import Layout, cached_keys_seen
-from r2lm.plan import ForwardPlan
+from r2lm.plan import ForwardPlan, kept_plan
 
 
 def window_layout(width: int, commit: int, device=None) -> Layout:
@@ -95,14 +95,9 @@ class WindowReader:
         cache.check_room(width)
         shape = self.prepare(width, commit, layout)
         shape.sync(cache)
-        length = cache.length
-        keys = cache.max_length if self.static else length + width
-        positions = cache.next_position[:, None] + shape.offsets
-        cos, sin = self.model.model.rotary_emb(self.model.lm_head.weight, positions)
-        plan = ForwardPlan(
-            cos=cos, sin=sin, mask=shape.mask[..., :keys], own=shape.own, earlier=shape.earlier, windows=shape.windows,
-            columns=cache.columns[length : length + width], keys=keys, commit=commit,
-        )
+        keys = cache.max_length if self.static else cache.length + width
+        plan = kept_plan(self.model.model.rotary_emb, self.model.lm_head.weight, cache, shape.offsets, shape.mask, keys,
+                         commit, own=shape.own, earlier=shape.earlier, windows=shape.windows)
         out, captured = self._run(ids, plan, cache, keep, head, capture)
         if commit and advance:
             cache.advance(commit)

@@ -2,7 +2,6 @@ import torch
 from torch import nn
 
 from r2lm.layers.hybrid import BlockHybridAttention
-from r2lm.layers.linear import Linear
 from r2lm.layers.norm import RMSNorm
 from r2lm.layers.rotary import apply_rotary
 from r2lm.ops import attention
@@ -25,10 +24,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         d = config.hidden_size
-        self.q_proj = Linear(d, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

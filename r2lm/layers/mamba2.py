@@ -6,7 +6,6 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from r2lm.layers.linear import Linear
 from r2lm.layers.norm import GatedRMSNorm
 from r2lm.ops import causal_conv1d, ssd_scan
 
@@ -20,13 +19,13 @@ class Mamba2Mixer(nn.Module):
         self.d_state, self.headdim, self.ngroups, self.chunk_size = d_state, headdim, ngroups, chunk_size
         self.nheads = self.d_inner // headdim
         self.conv_dim = self.d_inner + 2 * ngroups * d_state
-        self.in_proj = Linear(hidden_size, self.d_inner + self.conv_dim + self.nheads, bias=False)
+        self.in_proj = nn.Linear(hidden_size, self.d_inner + self.conv_dim + self.nheads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1)
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.D = nn.Parameter(torch.empty(self.nheads))
         self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // ngroups, eps=eps)
-        self.out_proj = Linear(self.d_inner, hidden_size, bias=False)
+        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=False)
         if self.A_log.device.type != "meta":
             self.reset_ssm_parameters()
 

@@ -1,8 +1,6 @@
 from torch import nn
 from transformers.activations import ACT2FN
 
-from r2lm.layers.linear import Linear
-
 
 class MLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x))."""
@@ -10,9 +8,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         d, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(d, inner, bias=bias)
-        self.up_proj = Linear(d, inner, bias=bias)
-        self.down_proj = Linear(inner, d, bias=bias)
+        self.gate_proj = nn.Linear(d, inner, bias=bias)
+        self.up_proj = nn.Linear(d, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, d, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):

@@ -1,22 +1,25 @@
-"""y = x W^T + b for decoding on a CPU: `torch.nn.functional.linear` (the reference), the same product computed the
-other way round, (W @ x^T)^T, or r2lm's few-row kernel (r2lm/ops/few_rows.py, where this machine has a build of it),
-wherever one measured faster on the machine at hand.
+"""y = x W^T + b for decoding on a CPU, applied to a model from outside: `install(model)` makes its `nn.Linear`
+layers multiply through a `Tuner`, which takes `torch.nn.functional.linear` (the reference), the same product
+computed the other way round, (W @ x^T)^T, or r2lm's few-row kernel (r2lm/ops/few_rows.py, where this machine has
+a build of it), wherever one measured faster on the machine at hand. A model nobody installed it on is plain
+PyTorch: its products are `F.linear`'s, whatever ran before in the process.
 
 A decode forward multiplies a few rows (the tokens of a step, times the batch) by every weight of the model. On a
 CPU that is memory-bound: the weights are read once whatever the number of rows, so a step of 4 tokens should cost
 about what a step of 1 costs -- the premise of every parallel decoder. Whether BLAS gets near that depends on the
 machine: on some, x @ W^T with few rows runs far below memory bandwidth while W @ x^T streams the weight at full
 speed; on others it is the other way round (docs/results.md, "Few-row matrix products on a CPU"). So no
-constant decides: each shape class (rows, the weight's shape, torch's thread count) is measured at its first uses
-in this process, inside the forwards that use it (where its weight streams from memory as it will from then on,
-rather than sitting in a cache as it would in a loop over one weight): TRIALS calls time each order, in turn, and
-the fastest median wins, an order other than the reference only by a margin (MARGIN). Until a class is decided, every call
-returns the reference's product, so what a forward computes never depends on a timing in progress. `decisions()`
-reports the choices and their timings (`python -m eval.linear_cost` prints them; the decision is also logged at
-debug level).
+constant decides: a Tuner measures each shape class (rows, the weight's shape, torch's thread count) at its first
+uses, inside the forwards that use it (where its weight streams from memory as it will from then on, rather than
+sitting in a cache as it would in a loop over one weight): TRIALS calls time each order, in turn, and the fastest
+median wins, an order other than the reference only by a margin (MARGIN). Until a class is decided, every call
+returns the reference's product, so what a forward computes never depends on a timing in progress; once decided,
+a class keeps its order. `Tuner.save` / `Tuner.load` keep the decisions across processes (a file made on another
+machine, torch or kernel build is refused), so two processes with the same decisions compute the same bits.
+`Tuner(order=...)` takes one order everywhere without measuring (tests of each path, benchmarks of one order).
 
-The other orders apply only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's
-patched linear) or autocast, to float32 on CPU and at most FEW_ROWS rows. Its sums are the same products in another
+The other orders apply only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched
+linear) or autocast, to float32 on CPU and at most FEW_ROWS rows. Their sums are the same products in another
 order: equal to `F.linear` up to float rounding, as any two sgemm blockings are.
 
 It returns (W @ x^T)^T as it is, a column-major view: copying a few columns of many rows into rows is a strided
@@ -27,15 +30,18 @@ W @ x^T with x^T row-major is a slow layout for MKL's sgemm.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
-from r2lm.ops.few_rows import kernel
+from r2lm.ops.few_rows import build_name, kernel
 
 logger = logging.getLogger(__name__)
 
@@ -43,27 +49,6 @@ FEW_ROWS = 16  # above this many rows sgemm's blocking is efficient either way: 
 TRIALS = 8  # timed calls of each order per shape class
 MARGIN = 0.95  # an order other than the reference is chosen only if its median time is below MARGIN x the reference's
 REFERENCE = "F.linear"
-
-_trials: dict[tuple, dict[str, list[float]]] = {}  # class -> order -> times
-_chosen: dict[tuple, str] = {}  # class -> the order used
-_forced: str | None = None  # forced(): the order of every eligible call; None: measured
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.device.type != "cpu"
-            or any(t.dtype != torch.float32 for t in (x, weight) + (() if bias is None else (bias,)))
-            or not 0 < rows <= FEW_ROWS):
-        return F.linear(x, weight, bias)
-    if _forced is not None:
-        return ORDERS[_forced](x, weight, bias)
-    key = (rows, *weight.shape, torch.get_num_threads())
-    chosen = _chosen.get(key)
-    if chosen is None:
-        if torch.compiler.is_compiling():  # no timing inside a traced graph
-            return F.linear(x, weight, bias)
-        return _trial(key, x, weight, bias)
-    return ORDERS[chosen](x, weight, bias)
 
 
 def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,64 +75,140 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 ORDERS = {REFERENCE: F.linear, "transposed": transposed, "kernel": few_rows}
 
 
-def _orders() -> list[str]:
-    """The orders measured on this machine: the kernel only where it is built."""
-    return [REFERENCE, "transposed"] + (["kernel"] if kernel() is not None else [])
+def machine() -> str:
+    """What decisions hold for: this CPU (model and flags), torch's version and the kernel's source (the kernel's
+    build name digests exactly these)."""
+    return build_name()
 
 
-def _trial(key: tuple, x, weight, bias) -> torch.Tensor:
-    """One call of an undecided class: time the order with the fewest timings so far (with the weight as the
-    forward left it); return the reference's product whatever was timed."""
-    times = _trials.setdefault(key, {order: [] for order in _orders()})
-    order = min(times, key=lambda o: len(times[o]))
-    start = time.perf_counter()
-    out = ORDERS[order](x, weight, bias)
-    times[order].append(time.perf_counter() - start)
-    if order != REFERENCE:
-        out = F.linear(x, weight, bias)
-    if all(len(t) == TRIALS for t in times.values()):
-        medians = {o: statistics.median(t) for o, t in times.items()}
-        best = min(medians, key=medians.get)
-        _chosen[key] = best if best == REFERENCE or medians[best] < MARGIN * medians[REFERENCE] else REFERENCE
-        logger.debug("linear %s rows x %s: %s (medians of %d: %s)", key[0], tuple(key[1:3]), _chosen[key], TRIALS,
-                     ", ".join(f"{o} {1e6 * m:.1f} us" for o, m in medians.items()))
-    return out
-
-
-def undecided() -> int:
-    """Shape classes still being timed (their products run every order in turn: a forward costs more until then)."""
-    return sum(key not in _chosen for key in _trials)
-
-
-def decisions() -> list[dict]:
-    """Every shape class decided in this process: rows, weight shape, threads, each order's median (us), the order
-    used."""
-    out = []
-    for key, chosen in sorted(_chosen.items()):
-        out.append({"rows": key[0], "weight": list(key[1:3]), "threads": key[3],
-                    "us": {o: round(1e6 * statistics.median(t), 1) for o, t in _trials[key].items()},
-                    "order": chosen})
-    return out
-
-
-def forget() -> None:
-    """Drop every measurement and decision (the next calls measure again)."""
-    _trials.clear()
-    _chosen.clear()
-
-
-@contextlib.contextmanager
-def forced(order: str):
-    """Within the block every eligible call takes `order` ("reference", "transposed" or "kernel") without measuring:
-    for tests of each path, and for benchmarks that time one order."""
-    global _forced
+def _order_named(order: str) -> str:
     order = REFERENCE if order == "reference" else order
     if order not in ORDERS:
         raise ValueError(f"order must be 'reference', 'transposed' or 'kernel', got {order!r}")
     if order == "kernel" and kernel() is None:
         raise ValueError("the few-row kernel is not built on this machine: python -m r2lm.ops.few_rows")
-    previous, _forced = _forced, order
-    try:
-        yield
-    finally:
-        _forced = previous
+    return order
+
+
+class Tuner:
+    """Which order each shape class of few-row products takes in this process (the module docstring): decided by
+    timing at first use, loaded from a file, or one `order` for every eligible call."""
+
+    def __init__(self, order: str | None = None):
+        self.order = None if order is None else _order_named(order)
+        self.trials: dict[tuple, dict[str, list[float]]] = {}  # class -> order -> times
+        self.chosen: dict[tuple, str] = {}  # class -> the order used
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.device.type != "cpu"
+                or any(t.dtype != torch.float32 for t in (x, weight) + (() if bias is None else (bias,)))
+                or not 0 < rows <= FEW_ROWS):
+            return F.linear(x, weight, bias)
+        if self.order is not None:
+            return ORDERS[self.order](x, weight, bias)
+        key = (rows, *weight.shape, torch.get_num_threads())
+        chosen = self.chosen.get(key)
+        if chosen is None:
+            if torch.compiler.is_compiling():  # no timing inside a traced graph
+                return F.linear(x, weight, bias)
+            return self._trial(key, x, weight, bias)
+        return ORDERS[chosen](x, weight, bias)
+
+    def _trial(self, key: tuple, x, weight, bias) -> torch.Tensor:
+        """One call of an undecided class: time the order with the fewest timings so far (with the weight as the
+        forward left it); return the reference's product whatever was timed."""
+        orders = [REFERENCE, "transposed"] + (["kernel"] if kernel() is not None else [])
+        times = self.trials.setdefault(key, {order: [] for order in orders})
+        order = min(times, key=lambda o: len(times[o]))
+        start = time.perf_counter()
+        out = ORDERS[order](x, weight, bias)
+        times[order].append(time.perf_counter() - start)
+        if order != REFERENCE:
+            out = F.linear(x, weight, bias)
+        if all(len(t) == TRIALS for t in times.values()):
+            medians = {o: statistics.median(t) for o, t in times.items()}
+            best = min(medians, key=medians.get)
+            self.chosen[key] = best if best == REFERENCE or medians[best] < MARGIN * medians[REFERENCE] else REFERENCE
+            logger.debug("linear %s rows x %s: %s (medians of %d: %s)", key[0], tuple(key[1:3]), self.chosen[key],
+                         TRIALS, ", ".join(f"{o} {1e6 * m:.1f} us" for o, m in medians.items()))
+        return out
+
+    def __deepcopy__(self, memo) -> Tuner:
+        return self  # decisions describe the machine, not a model: a copied model (without_sidecars) shares them
+
+    def undecided(self) -> int:
+        """Shape classes still being timed (their products run every order in turn: a forward costs more until
+        then)."""
+        return sum(key not in self.chosen for key in self.trials)
+
+    def decisions(self) -> list[dict]:
+        """Every shape class decided: rows, weight shape, threads, the order used, and each order's median (us)
+        where it was timed here."""
+        return [{"rows": key[0], "weight": list(key[1:3]), "threads": key[3], "order": chosen,
+                 "us": {o: round(1e6 * statistics.median(t), 1) for o, t in self.trials.get(key, {}).items()}}
+                for key, chosen in sorted(self.chosen.items())]
+
+    def save(self, path: str | Path) -> None:
+        """Write the decisions (JSON, replaced whole: a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        scratch.write_text(json.dumps({"machine": machine(), "decisions": self.decisions()}, indent=1) + "\n")
+        scratch.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tuner:
+        """A tuner that takes the decisions saved in `path` (classes it does not name are measured as usual)."""
+        try:
+            saved = json.loads(Path(path).read_text())
+            decided = {(d["rows"], *d["weight"], d["threads"]): _order_named(d["order"]) for d in saved["decisions"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a file of r2lm.ops.linear decisions: {e}") from e
+        if saved.get("machine") != machine():
+            raise ValueError(f"{path} holds product-order decisions made on another machine, torch or kernel build "
+                             f"({saved.get('machine')}; this one is {machine()}): measure them here instead")
+        tuner = cls()
+        tuner.chosen.update(decided)
+        return tuner
+
+
+class TunedLinear(nn.Linear):
+    """An nn.Linear whose products go through `tuner` (same parameters, state dict and isinstance): what `install`
+    turns a model's nn.Linear layers into."""
+
+    tuner: Tuner
+
+    def forward(self, x):
+        return self.tuner(x, self.weight, self.bias)
+
+
+def install(model: nn.Module, tuner: Tuner | None = None) -> Tuner:
+    """Make every nn.Linear of `model` multiply through `tuner` (a new Tuner if None; one already installed is
+    replaced), and return it: the same object the layers, their parameters and every reference to them keep.
+    Modules that multiply by a weight they do not own as a layer say so by a `product` attribute, which takes the
+    tuner too (r2lm.drafter.Drafter's head over its target's rows). Pass one tuner to a target and its drafter:
+    they share decisions."""
+    tuner = Tuner() if tuner is None else tuner
+    for module in model.modules():
+        if type(module) in (nn.Linear, TunedLinear):
+            module.__class__ = TunedLinear  # a layer keeps its identity: hooks, tied weights, optimizer state
+            module.tuner = tuner
+        elif hasattr(module, "product"):
+            module.product = tuner
+    return tuner
+
+
+def uninstall(model: nn.Module) -> None:
+    """Back to plain PyTorch: every layer `install` changed is an nn.Linear again."""
+    for module in model.modules():
+        if type(module) is TunedLinear:
+            del module.tuner
+            module.__class__ = nn.Linear
+        elif isinstance(getattr(module, "product", None), Tuner):
+            module.product = F.linear
+
+
+def tuner_of(model: nn.Module) -> Tuner | None:
+    """The tuner installed on `model` (None: its products are F.linear's)."""
+    return next((m.tuner for m in model.modules() if type(m) is TunedLinear), None)

@@ -22,7 +22,7 @@ def prefill_rows(model, prefix_cache, rows: list[list[int]], max_length: int):
     prefix_cache.bind(model)
     width = max(len(tokens) for tokens in rows)
     batch = KVCache(config, len(rows), max_length, dtype, device)
-    batch.length = width
+    batch.pad(width)
     pinned, forwards = [], 0
     try:
         for r, tokens in enumerate(rows):

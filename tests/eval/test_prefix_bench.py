@@ -1,11 +1,12 @@
-"""eval/prefix_bench.py's generate() measurement on a tiny model: it runs, and what it reports holds (every policy's
-first-token logits equal no cache's; the shared prefix is found in the cache)."""
+"""The prefix-cache benchmark's generate() measurement (eval/prefix_runs.py) on a tiny model: it runs, and what it
+reports holds (every policy's first-token logits equal no cache's; the shared prefix is found in the cache)."""
 
 from types import SimpleNamespace
 
 import torch
 
-from eval.prefix_bench import POLICIES, Workload, run_generate
+from eval.prefix_runs import POLICIES, run_generate
+from eval.prefix_workloads import Workload
 from tests.helpers.models import MASK_ID, tiny_r2lm
 
 

@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, MaxLengthCriteria, StoppingCriteria
 
 from r2lm import Layout, R2LMForDiffusionLM, R2LMModel, generate
-from r2lm.generation.sampling import propose, schedule
+from r2lm.generation.sampling import propose
 from r2lm.prefix import PrefixCache
+from r2lm.unmasking import schedule
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import MASK_ID, VOCAB, peaky, tiny_r2lm
 
@@ -119,7 +120,9 @@ def test_the_step_callback_sees_every_step():
     new = out.sequences[:, 9:]
     accepted = torch.zeros_like(new, dtype=torch.bool)
     for s in seen:
-        cols = slice(s.start, s.start + s.masked.shape[1])
+        start = int(s.start[0])
+        assert (s.start == start).all()  # the block's: every row's
+        cols = slice(start, start + s.masked.shape[1])
         assert not (s.accepted & ~s.masked).any() and (s.accepted.sum(1) >= s.masked.any(1)).all()
         assert not (accepted[:, cols] & s.accepted).any()  # a position is unmasked once
         assert torch.equal(s.proposals[s.accepted], new[:, cols][s.accepted])  # with the token it keeps
@@ -327,7 +330,7 @@ def test_converters_write_the_decoding_options(tmp_path):
 def unfused_generate(model, ids, mask, n, b, threshold):
     """The block decoder of docs/design.md 4 written with the public three uses of the forward and a separate commit
     forward per finished block: prefill, denoise until the block is clean, commit, next block."""
-    from r2lm.generation.sampling import select
+    from r2lm.unmasking import select
 
     shift = model.config.prediction == "shift"
     cache = model.new_cache(ids.shape[0], ids.shape[1] + n)

@@ -6,7 +6,7 @@ from transformers import TextStreamer
 
 from r2lm import generate
 from r2lm.generation import contexts
-from r2lm.generation.sampling import select
+from r2lm.unmasking import select
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import MASK_ID, peaky, sharp_hf, tiny_conversion, tiny_r2lm, tiny_tokenizer
 
@@ -107,7 +107,7 @@ def test_threshold_takes_at_least_one_token_per_row():
     conf = torch.rand(64, 16) * 0.5
     masked = torch.rand(64, 16) < 0.5
     masked[0] = False
-    take = select(conf, masked, threshold=0.9)
+    take = select(conf, masked, 0.9)  # the default rule: threshold
     assert torch.equal(take.sum(1) >= 1, masked.any(1))
     assert not (take & ~masked).any()
     top = conf.masked_fill(~masked, -1).argmax(1)
@@ -219,7 +219,7 @@ def test_finished_rows_leave_every_decoders_forwards(kind, options):
     hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(
         (args[0] if args and args[0] is not None else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
     try:
-        out = run(ids, mask, eos_token_id=eos, step_callback=lambda info: starts.append(info.start))
+        out = run(ids, mask, eos_token_id=eos, step_callback=lambda info: starts.append(int(info.start[0])))
     finally:
         hook.remove()
     alone = [run(ids[i : i + 1, mask[i].bool()], None, eos_token_id=eos).sequences[0, int(mask[i].sum()):]

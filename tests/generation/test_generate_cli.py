@@ -154,6 +154,23 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
     assert "is a 'qwen3' checkpoint, not an R2LM one; convert it first" in capsys.readouterr().err
 
 
+def test_the_products_are_plain_or_kept_decisions(checkpoint, tmp_path, capsys):
+    """--plain-products decodes as the plain model does, bit for bit; --linear-decisions FILE measures the product
+    orders once and saves them, a later run loads them (the same text), and a file made elsewhere is refused."""
+    code, out, _ = run([checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--plain-products"], capsys)
+    texts, _ = expected(checkpoint, PROMPTS)
+    assert code == 0 and out.splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
+    path = tmp_path / "decisions.json"
+    first = run([checkpoint, "--prompt", PROMPTS[0], "--linear-decisions", path], capsys)
+    saved = json.loads(path.read_text())
+    assert first[0] == 0 and saved["decisions"]  # its classes were decided while it decoded
+    assert run([checkpoint, "--prompt", PROMPTS[0], "--linear-decisions", path], capsys)[:2] == first[:2]
+    assert json.loads(path.read_text()) == saved  # loaded, not measured again
+    path.write_text(json.dumps({**saved, "machine": "another"}))
+    code, out, err = run([checkpoint, "--prompt", PROMPTS[0], "--linear-decisions", path], capsys)
+    assert code == 2 and "made on another machine, torch or kernel build" in err and out == ""
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_unreadable_weights_are_named(checkpoint, tmp_path, capsys, damage):
     """A usage error naming the weights file, as the converters give, not a SafetensorError or OSError traceback."""
@@ -195,7 +212,8 @@ def test_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--prompt", "--chat", "--block-size", "--threshold", "--factor", "--steps", "--confidence",
                    "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
-                   "--compile", "--verify", "--verify-draft", "--verify-windows", "generation_config.json"):
+                   "--compile", "--verify", "--verify-draft", "--verify-windows", "--linear-decisions",
+                   "--plain-products", "generation_config.json"):
         assert option in result.stdout, option
 
 

@@ -40,10 +40,10 @@ def test_it_is_found_for_smollm2_and_keeps_its_greedy_text(tmp_path):
     """SmolLM2 from the offline GGUF, converted with sidecars on its top layers as the quickstart does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from r2lm import R2LMForDiffusionLM, generate
-    from r2lm.convert.from_hf import convert_from_hf
     from eval.common import SMOLLM2_GGUF as gguf
     from eval.common import smollm2_dir
+    from r2lm import R2LMForDiffusionLM, generate
+    from r2lm.convert.from_hf import convert_from_hf
 
     src = smollm2_dir()
     convert_from_hf(src, tmp_path / "r2lm", gguf_file=gguf, sidecar_layers=[24, 25, 26, 27, 28, 29], block_size=16)

@@ -1,6 +1,12 @@
 """r2lm.ops.linear: the transposed order and the few-row kernel compute F.linear's product (up to float rounding);
-they are considered only without autograd, float32 on CPU, at most FEW_ROWS rows, and taken only for a shape class
-that measured faster in this process (every call returns the reference's product until its class is decided)."""
+a tuner considers them only without autograd, float32 on CPU, at most FEW_ROWS rows, and takes one only for a shape
+class that measured faster (every call returns the reference's product until its class is decided). The model is
+plain PyTorch until `install` applies a tuner from outside; decisions saved and loaded give the same bits in
+another process."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,10 +14,10 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm import generate
-from r2lm.layers.linear import Linear
 from r2lm.ops import linear as ops_linear
 from r2lm.ops.few_rows import kernel
-from r2lm.ops.linear import FEW_ROWS, MARGIN, REFERENCE, TRIALS, decisions, forced, forget, linear
+from r2lm.ops.linear import FEW_ROWS, MARGIN, REFERENCE, TRIALS, TunedLinear, Tuner, install, tuner_of, uninstall
+from tests.helpers import REPO
 from tests.helpers.decoding import ar_greedy
 from tests.helpers.models import peaky
 
@@ -30,13 +36,6 @@ class MatrixProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_measurements():
-    forget()  # each test measures from scratch
-    yield
-    forget()
-
-
 KERNEL = pytest.param("kernel", marks=pytest.mark.skipif(kernel() is None, reason="the few-row kernel is not built "
                                                           "on this machine (python -m r2lm.ops.few_rows)"))
 
@@ -50,31 +49,30 @@ def test_linear_is_f_linear(shape, bias, order):
     b = torch.randn(weight.shape[0], generator=g) if bias else None
     with torch.no_grad():
         if order == "measured":  # every call: the trials, then the decided order
-            outs = [linear(x, weight, b) for _ in range(2 * TRIALS + 2)]
+            tuner = Tuner()
+            outs = [tuner(x, weight, b) for _ in range(2 * TRIALS + 2)]
         else:
-            with forced(order):
-                outs = [linear(x, weight, b)]
+            outs = [Tuner(order)(x, weight, b)]
     for out in outs:
         assert out.shape == (*shape, weight.shape[0])
         torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def multiplied_by_the_weight(x, weight, grad: bool) -> bool:
+def multiplied_by_the_weight(x, weight, grad: bool, tuner: Tuner) -> bool:
     """Whether the product was computed as weight @ x^T (the transposed order) rather than x @ weight^T."""
     counter = MatrixProducts()
     with torch.set_grad_enabled(grad), counter:
-        linear(x, weight)
+        tuner(x, weight)
     return bool(counter.firsts) and counter.firsts[0] == tuple(weight.shape)  # (the kernel dispatches no aten mm)
 
 
 def test_the_transposed_order_is_considered_only_for_few_rows_without_autograd_in_float32():
-    weight = torch.randn(200, 24)
-    with forced("transposed"):
-        assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, grad=False)
-        assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, grad=False)
-        assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, grad=False)  # many rows
-        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=True)  # training: F.linear
-        assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), grad=False)
+    weight, tuner = torch.randn(200, 24), Tuner("transposed")
+    assert multiplied_by_the_weight(torch.randn(1, 1, 24), weight, False, tuner)
+    assert multiplied_by_the_weight(torch.randn(2, FEW_ROWS // 2, 24), weight, False, tuner)
+    assert not multiplied_by_the_weight(torch.randn(FEW_ROWS + 1, 24), weight, False, tuner)  # many rows
+    assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, True, tuner)  # training: F.linear
+    assert not multiplied_by_the_weight(torch.randn(1, 4, 24).double(), weight.double(), False, tuner)
 
 
 @pytest.mark.parametrize("costs", [dict(transposed=50.0, kernel=80.0), dict(transposed=120.0, kernel=40.0),
@@ -98,26 +96,27 @@ def test_each_class_is_decided_by_its_trials_and_returns_the_reference_until_the
             return fn(*args)
         return run
 
-    orders = ops_linear._orders()
+    orders = [REFERENCE, "transposed"] + (["kernel"] if kernel() is not None else [])
+    tuner = Tuner()
     monkeypatch.setattr(ops_linear.time, "perf_counter", clock)
     monkeypatch.setattr(ops_linear, "ORDERS", {o: timed(o, fn) for o, fn in ops_linear.ORDERS.items()})
     with torch.no_grad():
         for _ in range(len(orders) * TRIALS):
-            assert decisions() == []
+            assert tuner.decisions() == []
             counter = MatrixProducts()
             with counter:
-                out = linear(x, weight)
+                out = tuner(x, weight)
             torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)  # the reference's product
     monkeypatch.undo()
     assert sorted(running) == sorted(o for o in orders for _ in range(TRIALS))  # each order, TRIALS times
-    (decision,) = decisions()
+    (decision,) = tuner.decisions()
     best = min(orders, key=costs.get)
     expected = best if best == REFERENCE or costs[best] < MARGIN * costs[REFERENCE] else REFERENCE
     assert decision["rows"] == 3 and decision["weight"] == [200, 24] and decision["order"] == expected
     assert decision["us"] == {o: costs[o] for o in orders}
     with torch.no_grad():
-        assert multiplied_by_the_weight(x, weight, grad=False) == (expected == "transposed")
-        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, grad=False)  # another class: a trial
+        assert multiplied_by_the_weight(x, weight, False, tuner) == (expected == "transposed")
+        assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, False, tuner)  # another class: a trial
 
 
 def test_the_kernel_is_f_linear_for_every_remainder():
@@ -148,55 +147,125 @@ def test_a_column_major_input_is_multiplied_as_rows():
                 seen.append(args[1].stride())
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), forced("transposed"), Operands():
-        out = linear(x, weight)
+    with torch.no_grad(), Operands():
+        out = Tuner("transposed")(x, weight)
     assert seen == [(1, 24)]  # x^T [24, 4] column-major: x's rows contiguous
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_autocast_and_other_dtypes_keep_f_linear():
-    weight, x = torch.randn(200, 24), torch.randn(1, 3, 24)
-    with torch.no_grad(), forced("transposed"), torch.autocast("cpu", dtype=torch.bfloat16):
+    weight, x, tuner = torch.randn(200, 24), torch.randn(1, 3, 24), Tuner("transposed")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for bias in (None, torch.randn(weight.shape[0])):
-            assert linear(x, weight, bias).dtype == F.linear(x, weight, bias).dtype == torch.bfloat16
-    with torch.no_grad(), forced("transposed"), pytest.raises(RuntimeError):  # F.linear's refusal of another dtype
-        linear(x, weight, torch.randn(weight.shape[0], dtype=torch.float64))
+            assert tuner(x, weight, bias).dtype == F.linear(x, weight, bias).dtype == torch.bfloat16
+    with torch.no_grad(), pytest.raises(RuntimeError):  # F.linear's refusal of another dtype
+        tuner(x, weight, torch.randn(weight.shape[0], dtype=torch.float64))
 
 
-def test_the_layer_keeps_nn_linear_parameters_and_gradients():
-    torch.manual_seed(0)
-    layer, reference = Linear(24, 48), torch.nn.Linear(24, 48)
-    reference.load_state_dict(layer.state_dict())
-    assert isinstance(layer, torch.nn.Linear) and layer.state_dict().keys() == reference.state_dict().keys()
-    x = torch.randn(1, 3, 24)
-    layer(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    assert torch.equal(layer.weight.grad, reference.weight.grad) and torch.equal(layer.bias.grad, reference.bias.grad)
+def test_a_model_is_plain_pytorch_until_a_tuner_is_installed():
+    """Issue 39 item 4: no product order is chosen inside the model. Its layers are nn.Linear; `install` turns them
+    into TunedLinear in place (the same parameter objects: tied weights stay tied; state dict, gradients), and
+    `uninstall` makes them plain again."""
+    model = peaky(sidecar_layers=[1])
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(type(m) is torch.nn.Linear for m in layers) and tuner_of(model) is None
+    keys, weights, x = model.state_dict().keys(), [m.weight for m in layers], torch.randint(0, 100, (1, 5))
+    plain = model(x).logits
+    tuner = install(model, Tuner("transposed"))
+    assert tuner_of(model) is tuner and all(type(m) is TunedLinear and m.tuner is tuner for m in layers)
+    assert model.state_dict().keys() == keys and all(m.weight is w for m, w in zip(layers, weights, strict=True))
+    torch.testing.assert_close(model(x).logits, plain)  # with autograd: F.linear's products, the same graph
+    model(x).logits.square().sum().backward()
+    tuned = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    uninstall(model)
+    assert all(type(m) is torch.nn.Linear for m in layers) and tuner_of(model) is None
+    model(x).logits.square().sum().backward()
+    assert any(g is not None for g in tuned)
+    assert all((a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(tuned, model.parameters(), strict=True))
+
+
+LOGITS = """
+import hashlib, sys, torch
+from r2lm.ops.linear import Tuner, install
+from tests.helpers.models import peaky
+torch.set_num_threads(1)
+model, path, save = peaky(sidecar_layers=[1]), sys.argv[1], sys.argv[2] == "save"
+tuner = install(model, Tuner() if save else Tuner.load(path))
+ids = torch.randint(0, 100, (2, 3), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    for _ in range(4 * 8 if save else 0):  # until every class is decided
+        model(ids)
+    assert not tuner.undecided()
+    logits = model(ids).logits
+if save:
+    tuner.save(path)
+print(hashlib.sha256(logits.numpy().tobytes()).hexdigest(), len(tuner.decisions()))
+"""
+
+
+def test_two_processes_with_the_same_decisions_compute_the_same_bits(tmp_path):
+    """Decided once (measured in one process and saved), the orders are reloaded by others: their logits are
+    bit-identical to each other and to the measuring process's once it had decided, whatever the orders are (the
+    measured ones, and every class forced onto the transposed order)."""
+    path = tmp_path / "decisions.json"
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", LOGITS, str(path), mode], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    measured, classes = run("save")
+    assert int(classes) > 0 and run("load") == run("load") == [measured, classes]
+    saved = json.loads(path.read_text())
+    for decision in saved["decisions"]:
+        decision["order"] = "transposed"
+    path.write_text(json.dumps(saved))
+    assert run("load") == run("load")
+
+
+def test_decisions_from_elsewhere_are_refused_by_name(tmp_path):
+    path = tmp_path / "decisions.json"
+    tuner = Tuner()
+    tuner.chosen[(2, 8, 4, 1)] = "transposed"
+    tuner.save(path)
+    assert Tuner.load(path).chosen == tuner.chosen and not list(tmp_path.glob(".*.tmp"))
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "machine": "r2lm_few_rows_0123456789abcdef"}))
+    with pytest.raises(ValueError, match="made on another machine, torch or kernel build"):
+        Tuner.load(path)
+    path.write_text(json.dumps({**saved, "decisions": [{"rows": 2, "weight": [8, 4], "threads": 1, "order": "fast"}]}))
+    with pytest.raises(ValueError, match="is not a file of r2lm.ops.linear decisions: order must be"):
+        Tuner.load(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="is not a file of r2lm.ops.linear decisions"):
+        Tuner.load(path)
 
 
 @pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
                                                                     hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
 def test_decoding_through_the_transposed_order_keeps_the_cache_exact(kind):
-    """Forced onto the transposed order at every row count, the column-major views it returns flow through
+    """A tuner forced onto the transposed order at every row count: the column-major views it returns flow through
     attention, the KV cache, the sidecars and the LM head: cached decoding still equals the full recompute
     (invariant 2), and verify=True still equals AR decoding with sidecars off."""
     model = peaky(**kind)  # sharp distributions: several tokens per step
     ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
     ids[:, -3:] = ids[:, 1:4]  # a repeated span: prompt lookup has drafts to offer
     counter = MatrixProducts()
-    with forced("transposed"):
-        with counter:
-            cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
-        assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the transposed order
-        assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
-                                                      use_cache=False).sequences)
-        assert cached.steps < 12  # several tokens per step: the window forwards are exercised
-        if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
-            ar = ar_greedy(model, ids, 12).sequences
-            for draft in ("window", "lookup"):
-                out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
-                               eos_token_id=[])
-                assert torch.equal(out.sequences, ar)
+    install(model, Tuner("transposed"))
+    with counter:
+        cached = generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6)
+    assert tuple(model.lm_head.weight.shape) in counter.firsts  # the LM head took the transposed order
+    assert torch.equal(cached.sequences, generate(model, ids, max_new_tokens=12, block_size=4, threshold=0.6,
+                                                  use_cache=False).sequences)
+    assert cached.steps < 12  # several tokens per step: the window forwards are exercised
+    if not kind.get("hybrid_layers"):  # verify=True needs softmax layers
+        ar = ar_greedy(model, ids, 12).sequences
+        for draft in ("window", "lookup"):
+            out = generate(model, ids, max_new_tokens=12, block_size=4, verify=True, verify_draft=draft,
+                           eos_token_id=[])
+            assert torch.equal(out.sequences, ar)
 
 
 def test_a_damaged_kernel_build_is_never_loaded(tmp_path, monkeypatch, caplog):

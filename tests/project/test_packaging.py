@@ -56,7 +56,7 @@ def test_training_and_converters_share_the_checkpoint_formats_not_each_other():
 # that held-out text shares with training. Evaluations share their own helpers through eval/common.py instead.
 EVAL_USES_OF_TRAIN = {
     "eval/gpu_check.py": {"train.tracking"},  # the metrics of the training run it launches
-    "eval/hybrid_quality.py": {"train.config", "train.data", "train.pretrain"},  # its runs' held-out set and noise
+    "eval/hybrid_quality.py": {"train.config", "train.data"},  # its runs' held-out set
     "eval/drafter_curve.py": {"train.tracking"},  # a drafter training run's metrics
     "eval/smollm2_cpt.py": {"train.tracking"},  # its run's metrics
 }

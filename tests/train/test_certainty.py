@@ -187,7 +187,7 @@ def test_config_keys():
 
 def test_training_config_validates_against_the_model(tmp_path):
 
-    from train.pretrain import validate
+    from train.checks import validate
 
     train, _ = write_corpus(tmp_path / "corpus", n_train=20, n_heldout=2)
     items = [f"data.train={train}", f"output_dir={tmp_path / 'out'}", "objective=certainty", "seq_len=64"]

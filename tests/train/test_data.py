@@ -20,9 +20,9 @@ from train.data import (
     is_heldout,
     is_heldout_text,
     pack,
-    resolve_source,
     stream_sequences,
 )
+from train.sources import resolve_source
 
 EOS = 0
 
@@ -324,8 +324,8 @@ def test_a_bad_json_line_is_named_with_its_file_and_line(tmp_path, tok, name, co
 
 
 def test_data_changes_name_new_gone_and_changed_files(tmp_path):
-    """What a resumed run compares (train/pretrain.py check_resume): a file touched without a change is unchanged."""
-    from train.data import data_changes, fingerprint
+    """What a resumed run compares (train/checks.py check_resume): a file touched without a change is unchanged."""
+    from train.sources import data_changes, fingerprint
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -349,8 +349,6 @@ def test_data_changes_name_new_gone_and_changed_files(tmp_path):
 
 def test_a_data_folder_skips_hidden_folders(tmp_path, tok):
     """An editor's or notebook's copies (.ipynb_checkpoints/) are not training data."""
-    from train.data import resolve_source
-
     (tmp_path / "data" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "data" / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
     (tmp_path / "data" / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text(json.dumps({"text": "a"}) + "\n")

@@ -157,7 +157,7 @@ def test_unfinished_teacher_files_and_other_models_replies_are_refused(inputs, t
     that names another model as its teacher is refused, naming both."""
     import json
 
-    from train.teacher_data import COMPLETE_SUFFIX, SETTINGS_SUFFIX
+    from train.teacher_records import COMPLETE_SUFFIX, SETTINGS_SUFFIX
 
     root, model, train, heldout = inputs
     cut = tmp_path / "cut.jsonl"  # what a run asked for 24 records leaves when it is killed after 21

@@ -14,10 +14,9 @@ from safetensors.torch import load_file
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import MANIFEST, complete_checkpoints
 from r2lm.convert.__main__ import main as convert_main
-from r2lm.diffusion import block_noise, noised_dual_stream
+from r2lm.diffusion import block_noise, noise_seed, noised_dual_stream
 from tests.helpers.models import make_model_dir
 from tests.helpers.training import base_overrides, corpus_paragraphs, run_inprocess, write_corpus
-from train.pretrain import noise_seed
 from train.tracking import read_metrics
 
 HYBRID = dict(attention="block_causal", prediction="inplace", hybrid_layers=[0, 2], hybrid_feature_dim=8)  # + sidecars 1, 3

@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from r2lm import R2LMForDiffusionLM
+from r2lm.diffusion import noise_seed
 from tests.helpers.models import make_model_dir
 from tests.helpers.processes import DEEPSPEED, free_port, run_cli
 from tests.helpers.training import base_overrides, write_corpus
 from train.config import load_config
 from train.data import build_data
-from train.pretrain import noise_seed
 from train.transfer import transfer_loss
 
 pytestmark = pytest.mark.slow
 
 
 def per_layer_heldout_mse(model_dir: Path, items: list[str], world: int) -> torch.Tensor:
-    """The run's held-out per-layer evaluation (train.pretrain.evaluate), recomputed in this process."""
+    """The run's held-out per-layer evaluation (train.trainer.evaluate), recomputed in this process."""
     from transformers import AutoTokenizer
 
     cfg = load_config(None, items)

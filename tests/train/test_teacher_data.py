@@ -16,8 +16,9 @@ from tests.helpers.models import make_model_dir, sharp_hf, tiny_tokenizer
 from tests.helpers.processes import python, run_cli
 from tests.helpers.training import corpus_paragraphs, write_corpus
 from train.config import DataConfig
-from train.data import load_documents, resolve_source
+from train.data import load_documents
 from train.lock import RunLock
+from train.sources import resolve_source
 from train.teacher_data import build_parser, generate_records
 
 PROMPT_TOKENS = 12

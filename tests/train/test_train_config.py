@@ -5,10 +5,12 @@ import math
 
 import pytest
 
+from r2lm.diffusion import noise_seed
 from tests.helpers import REPO
 from tests.helpers.processes import python, run_cli
+from train.checks import read_deepspeed_config
 from train.config import all_keys, load_config, parse_overrides
-from train.pretrain import lr_factor, noise_seed, read_deepspeed_config
+from train.optimizer import lr_factor
 
 REQUIRED = ["model=m", "output_dir=o", "data.train=t.txt"]
 

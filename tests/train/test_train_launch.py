@@ -13,14 +13,13 @@ import torch
 
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import complete_checkpoints, read_state
-from r2lm.diffusion import compute_loss
+from r2lm.diffusion import compute_loss, noise_seed
 from tests.helpers import REPO
 from tests.helpers.processes import DEEPSPEED, free_port, python, run_cli
 from tests.helpers.training import run_overrides as overrides
 from tests.helpers.training import training_inputs
 from train.config import load_config
 from train.data import build_data
-from train.pretrain import noise_seed
 from train.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -70,7 +69,7 @@ def test_a_run_leaves_no_shared_memory_behind(tmp_path):
 
 
 def heldout_loss(model_dir: Path, items: list[str], world: int) -> float:
-    """The run's held-out evaluation, recomputed in this process on an exported model (see train.pretrain.evaluate)."""
+    """The run's held-out evaluation, recomputed in this process on an exported model (see train.trainer.evaluate)."""
     cfg = load_config(None, items)
     model = R2LMForDiffusionLM.from_pretrained(model_dir).eval()
     from transformers import AutoTokenizer

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import train.pretrain
+import train.optimizer
+import train.trainer
 from r2lm.checkpoints import (
     MANIFEST,
     DamagedCheckpointError,
@@ -31,8 +32,8 @@ from tests.helpers.checkpoints import damage_weights
 from tests.helpers.processes import DEEPSPEED, free_port, run_cli
 from tests.helpers.training import run_inprocess, training_inputs
 from tests.helpers.training import run_overrides as overrides
+from train.guard import NonFiniteLossError
 from train.lock import LOCK_FILE, RunLock
-from train.pretrain import NonFiniteLossError
 from train.tracking import read_metrics
 
 TIMING = ("tokens_per_s", "step_time_s")
@@ -134,8 +135,8 @@ def test_divergence_stops_before_the_bad_update(inputs, tmp_path, monkeypatch, s
     ds["zero_optimization"] = {"stage": stage}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     engines = []
-    build = train.pretrain.build_engine
-    monkeypatch.setattr(train.pretrain, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1])
+    build = train.trainer.build_engine
+    monkeypatch.setattr(train.trainer, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1])
     out = tmp_path / "diverge"
     with pytest.raises(NonFiniteLossError, match=r"non-finite gradient \(inf or NaN\) at step 2, before its update.*"
                                                  r"the last good checkpoint is none \(step-00000001 was saved as the "
@@ -156,8 +157,8 @@ def test_the_named_checkpoint_predates_the_divergence(inputs, tmp_path, monkeypa
     keep_checkpoints=1 did not delete it. Before: it named step-00000004 as the last good checkpoint, and step 3 was
     gone. (No config key makes the learning rate jump; the schedule is replaced so that the step the run diverges
     at does not depend on a CPU's rounding.)"""
-    schedule = train.pretrain.lr_factor
-    monkeypatch.setattr(train.pretrain, "lr_factor", lambda step, cfg: schedule(step, cfg) * (1.0 if step < 3 else 1e15))
+    schedule = train.optimizer.lr_factor
+    monkeypatch.setattr(train.optimizer, "lr_factor", lambda step, cfg: schedule(step, cfg) * (1.0 if step < 3 else 1e15))
     out = tmp_path / "diverge"
     good, bad = out / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000004"
     with pytest.raises(NonFiniteLossError, match=rf"at step 5.*: stopping without saving; the last good checkpoint is "

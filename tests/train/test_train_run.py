@@ -14,7 +14,7 @@ from r2lm.checkpoints import complete_checkpoints, read_state
 from r2lm.convert.__main__ import main as convert_main
 from tests.helpers.training import run_inprocess, training_inputs
 from tests.helpers.training import run_overrides as overrides
-from train.pretrain import NonFiniteLossError
+from train.guard import NonFiniteLossError
 from train.tracking import read_metrics
 
 

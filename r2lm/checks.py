@@ -1,5 +1,6 @@
-"""Value checks shared by the option groups of a generate() call (r2lm.generation.options): each raises a ValueError
-that names the option."""
+"""Value checks shared by the option groups of a generate() call (r2lm.generation.options) and the unmasking rules
+(r2lm.unmasking): each raises a ValueError that names the option. Outside r2lm.generation so that the rule table,
+which the checkpoint writers read through r2lm.generation_config, reaches nothing of the generator."""
 
 from __future__ import annotations
 
