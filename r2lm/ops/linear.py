@@ -162,12 +162,16 @@ class Tuner:
         """A tuner that takes the decisions saved in `path` (classes it does not name are measured as usual)."""
         try:
             saved = json.loads(Path(path).read_text())
-            decided = {(d["rows"], *d["weight"], d["threads"]): _order_named(d["order"]) for d in saved["decisions"]}
+            made_on = saved["machine"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is not a file of r2lm.ops.linear decisions: {e}") from e
-        if saved.get("machine") != machine():
+        if made_on != machine():  # first: another machine's orders (its kernel, say) need not exist here
             raise ValueError(f"{path} holds product-order decisions made on another machine, torch or kernel build "
-                             f"({saved.get('machine')}; this one is {machine()}): measure them here instead")
+                             f"({made_on}; this one is {machine()}): measure them here instead")
+        try:
+            decided = {(d["rows"], *d["weight"], d["threads"]): _order_named(d["order"]) for d in saved["decisions"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a file of r2lm.ops.linear decisions: {e}") from e
         tuner = cls()
         tuner.chosen.update(decided)
         return tuner
