@@ -1,5 +1,6 @@
 """What one step of verified decoding costs on this machine: the seconds of a verification forward by its rows and
-width, and of a drafter's forward by its rows (r2lm.generation.policy weighs them against expected acceptance).
+width, and of drafting (a drafter's forward and append) by its rows (r2lm.generation.policy weighs them against
+expected acceptance).
 
 No machine's constants: `MeasuredCosts` times the forwards themselves, the first time a model decodes with a draft
 source at a batch size (a few forwards of each measured width at the call's rows and at one row, on a scratch cache
@@ -36,7 +37,8 @@ class StepCosts(ABC):
 
     @abstractmethod
     def draft(self, rows: int) -> float:
-        """A drafter forward over `rows` rows (0 for a source that drafts without a forward of its own)."""
+        """What drafting adds to a step over `rows` rows: the drafter's forward and the append of the step's
+        committed column to its context (0 for a source that drafts without a forward of its own)."""
 
 
 class ScriptedCosts(StepCosts):

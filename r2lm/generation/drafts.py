@@ -251,13 +251,21 @@ class ModelDrafts(CleanDrafts):
 
     def timed_drafting(self, rows: int):
         s, drafter = self.state, self.drafter
-        context = drafter.new_context(rows, max(s.prompt_len, COST_CONTEXT) + drafter.config.block_size)
+        length = max(s.prompt_len, COST_CONTEXT)
+        context = drafter.new_context(rows, length + 1 + drafter.config.block_size)
         hidden = drafter.config.target_hidden_size
-        captured = [torch.zeros(rows, max(s.prompt_len, COST_CONTEXT), hidden, dtype=s.model.dtype, device=s.device)
-                    for _ in self.capture]
+        captured = [torch.zeros(rows, length, hidden, dtype=s.model.dtype, device=s.device) for _ in self.capture]
         drafter.append(context, captured)
         openers = torch.zeros(rows, dtype=torch.long, device=s.device)
-        return lambda: drafter.draft(context, openers, confidence=True)
+        column = [h[:, :1] for h in captured]
+
+        def run():  # what drafting adds to a step: the new column appended (catch_up), then the draft
+            drafter.append(context, column)
+            out = drafter.draft(context, openers, confidence=True)
+            context.kv.rewind(length)
+            return out
+
+        return run
 
     def catch_up(self) -> None:
         """Append every column captured since the drafter last drafted."""

@@ -1,7 +1,8 @@
 """How much each row drafts at each step of verified decoding, and from which source: never slower than AR.
 
 A draft pays only where it is accepted often enough to cover what it costs: on a 2-core CPU a forward that verifies
-7 draft tokens costs about 1.4 AR steps at batch 1 and 2 at batch 8, and a drafter's own forward a third of one.
+7 draft tokens costs about 1.7 AR steps at batch 1 and 4 at batch 8 (SmolLM2-135M on a 2-core EPYC), and a
+drafter's own forward a fraction of one.
 So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
 
 - acceptance, per draft source: the share of submitted tokens accepted, pooled (a new source starts at an even
@@ -11,14 +12,22 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
   on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
 - cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
-  and D(R), a drafter forward's.
+  and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context).
 
-Each step it takes the forward width w maximising committed tokens per second, sum_r E_r(w - 1) / C(R, w): w = 1
-is a plain AR step, and wins unless a wider forward promises MARGIN more (the estimates err; AR never loses). Each row submits its draft up to that width (a row with a shorter draft submits fewer: the
-forward is one width for the batch), from the source whose draft promises more (lookup or the drafter). Before
-paying for the drafter's forward it checks that the drafts it expects from it (at the rows' running rates) raise
-committed tokens per second by more than D costs. The window source (R2LM's own window) drafts inside a wider
-forward: it is paid for by that forward's extra cost, and used while its expected tokens per second beat AR's.
+Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
+the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each
+row's: both from the measured C(1, 1) and C(R, 1)), so decoding the rest by AR steps takes A max_r m_r + B sum_r m_r
+seconds, m_r the tokens row r has left (rows leave as they finish). A step of width w spares on average
+A E[drop of max_r m_r] + B sum_r E_r(w), where the max drops by k only if every row commits at least k minus how
+far it is behind the row with most left (rows independent: a product over rows). At batch 1 this is C(1, 1) E(w),
+committed tokens; at batch 8 on a CPU, where A is most of a step, a draft only one row has barely shortens the
+batch, and the policy drafts where the rows with most left have drafts worth verifying. w = 1 is a plain AR step,
+and wins unless a wider forward promises MARGIN more (the estimates err; AR never loses). Each row submits its draft
+up to that width (a row with a shorter draft submits fewer: the forward is one width for the batch), from the
+source whose draft promises more (lookup or the drafter). Before paying for the drafter's forward it checks that
+the drafts it expects from it (at the rows' running rates) spare more than D costs. The window source (R2LM's own
+window) drafts inside a wider forward: it is paid for by that forward's extra cost, and used while it spares more
+than AR steps would.
 
 A source the estimates rule out is still tried now and then (a probe), or its estimate could never recover: every
 n-th step, n chosen so that probing costs at most PROBE_BUDGET of an AR step's time.
@@ -74,6 +83,18 @@ class Proposal:
         return Proposal(self.draft[keep], self.confidence[keep], self.source[keep])
 
 
+@dataclass(frozen=True)
+class Prices:
+    """The costs a policy reads at one row count R: the forward widths and their seconds C(R, w), an AR step's
+    C(R, 1), the per-row part B of an AR step (C(R, 1) = A + B R), a drafter forward's D(R)."""
+
+    widths: np.ndarray
+    verify: np.ndarray
+    ar: float
+    per_row: float
+    draft: float
+
+
 class Policy(ABC):
     """Decides each step's forward width and the rows' drafts, on the host (`Proposal.host`). `start` is called
     once per generate() call."""
@@ -106,8 +127,9 @@ class Policy(ABC):
         """The next forward's width (1 .. b: it verifies the first `width` draft tokens of each row and commits at
         most `width` tokens; 1 is an AR step)."""
 
-    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray) -> None:
-        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`."""
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray) -> None:
+        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`, and the
+        tokens it has left to decode, `remaining` [R] (0 once it is done)."""
         return  # by default nothing is learnt
 
     def keep_rows(self, stay: np.ndarray) -> None:
@@ -173,6 +195,9 @@ class Adaptive(Policy):
         kept = _ACCEPTANCE.setdefault(model, {}) if model is not None else {}
         self.estimates = {name: kept.setdefault((key, name), Acceptance()) for name in sources}
         self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
+        self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
+        self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
+        self.learnt, self.verdicts = 0, {}  # observations that changed an estimate; `pays` answers since the last
         self.idle = dict.fromkeys(sources, 0)  # steps since a costly source was last used
 
     # --------------------------------------------------------------------------------------------- estimates
@@ -205,23 +230,52 @@ class Adaptive(Policy):
         committing at most k + 1 (k = 0 .. b)."""
         return np.concatenate([np.ones((q.shape[0], 1)), 1 + np.cumsum(np.cumprod(q, 1), 1)], 1)
 
-    def best(self, expected: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
-        """(width, committed tokens per second) maximising the rate, `extra` seconds paid on top of the forward; a
-        width above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
-        rows = expected.shape[0]
-        rates = {w: float(expected[:, min(w - 1, expected.shape[1] - 1)].sum()) / (self.costs.verify(rows, w) + extra)
-                 for w in self.widths}
-        width = max(rates, key=lambda w: (rates[w], -w))
-        if width > 1 and 1 in rates and rates[width] < MARGIN * rates[1]:
-            width = 1
-        return width, rates[width]
+    def price(self, rows: int) -> Prices:
+        """The costs at `rows` rows, read from the cost model once per call (they do not change within one)."""
+        key = (self.costs, rows)
+        if key not in self.prices:
+            c = self.costs
+            ar = c.verify(rows, 1)
+            per_row = min(max((ar - c.verify(1, 1)) / (rows - 1), 0.0), ar / rows) if rows > 1 else 0.0
+            self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
+                                      per_row, c.draft(rows))
+        return self.prices[key]
+
+    def saved(self, q: np.ndarray) -> np.ndarray:
+        """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module
+        docstring): the per-forward part of an AR step times how far the row with most left advances, plus the
+        per-row part times the tokens the rows commit."""
+        rows, b = q.shape
+        price = self.price(rows)
+        ar, per_row = price.ar, price.per_row
+        # P(row r commits at least j tokens), j = 0 .. b: 1 up to j = 1, then P(its first j - 1 are accepted)
+        at_least = np.concatenate([np.ones((rows, 2)), np.cumprod(q[:, : b - 1], 1)], 1)
+        gap = np.zeros(rows, dtype=np.int64)  # how far each row is behind the row with most left
+        if self.remaining is not None:
+            at_least[np.arange(b + 1)[None, :] > self.remaining[:, None]] = 0  # never more than it has left
+            gap = (self.remaining.max() - self.remaining).astype(np.int64)
+        # the most left falls by >= k iff every row commits >= k - its gap (a forward commits at most its width,
+        # and k - gap <= k <= width: the width never cuts this)
+        need = np.clip(np.arange(1, b + 1)[None, :] - gap[:, None], 0, None)
+        lead = np.take_along_axis(at_least, need, 1).prod(0)
+        return (ar - per_row * rows) * np.cumsum(lead) + per_row * np.cumsum(at_least[:, 1:].sum(0))
+
+    def best(self, q: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
+        """(width, AR seconds spared per second) maximising the rate, `extra` seconds paid on top of the forward;
+        a width above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
+        saved, price = self.saved(q), self.price(q.shape[0])
+        rates = saved[np.minimum(price.widths, len(saved)) - 1] / (price.verify + extra)
+        best = int(np.argmax(rates))  # (the narrowest of equals)
+        if best and price.widths[0] == 1 and rates[best] < MARGIN * rates[0]:
+            best = 0
+        return int(price.widths[best]), float(rates[best])
 
     def probe_due(self, source: str, rows: int) -> bool:
         """Every n-th step a source the estimates rule out is tried, n such that trying it costs at most
         PROBE_BUDGET of the AR time in between."""
-        ar = self.costs.verify(rows, 1)
-        extra = max(self.costs.verify(rows, self.widths[-1]) + self.costs.draft(rows) - ar, 0.0)
-        return self.idle[source] >= math.ceil(extra / (PROBE_BUDGET * ar))
+        price = self.price(rows)
+        extra = max(price.verify[-1] + price.draft - price.ar, 0.0)
+        return self.idle[source] >= math.ceil(extra / (PROBE_BUDGET * price.ar))
 
     # --------------------------------------------------------------------------------------------- decisions
 
@@ -239,24 +293,39 @@ class Adaptive(Policy):
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
         self._rows(rows)
         index, b = self.sources.index(source), self.widths[-1]
-        ours = np.broadcast_to(np.minimum(self.row_rate(index), MAX_Q)[:, None], (rows, b))
-        without = self.expected(np.zeros((rows, b)) if free is None else self.q(free)[:, :b])
-        drafting = self.costs.draft(rows)
-        if drafting > 0:  # a drafter: its forward, then each row takes the better draft
-            with_it = self.best(np.maximum(without, self.expected(ours)), extra=drafting)[1]
-        else:  # the window: a forward as wide as the block, every step
-            with_it = float(self.expected(ours)[:, b - 1].sum()) / self.costs.verify(rows, b)
-        use = with_it > MARGIN * self.best(without)[1] or self.probe_due(source, rows)
+        if free is None:  # the answer changes only with what was learnt and the rows' gaps: not at every AR step
+            gaps = None if self.remaining is None else (self.remaining.max() - self.remaining, self.remaining.min() < b)
+            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]))
+            if key not in self.verdicts:
+                self.verdicts = {key: self.pays(source, index, None, rows)}
+            use = self.verdicts[key] or self.probe_due(source, rows)
+        else:
+            use = self.pays(source, index, free, rows) or self.probe_due(source, rows)
         self.idle[source] = 0 if use else self.idle[source] + 1
         return use
+
+    def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> bool:
+        """Whether the estimates expect `source`'s drafting to spare more than it costs (worth, less the probes)."""
+        b = self.widths[-1]
+        ours = np.broadcast_to(np.minimum(self.row_rate(index), MAX_Q)[:, None], (rows, b))
+        without = np.zeros((rows, b)) if free is None else self.q(free)[:, :b]
+        drafting = self.price(rows).draft
+        if drafting > 0:  # a drafter: its forward, then each row takes the better draft
+            better = self.expected(ours)[:, -1] > self.expected(without)[:, -1]
+            with_it = self.best(np.where(better[:, None], ours, without), extra=drafting)[1]
+        else:  # the window: a forward as wide as the block, every step
+            with_it = float(self.saved(ours)[b - 1]) / self.price(rows).verify[-1]
+        return with_it > MARGIN * self.best(without)[1]
 
     def width(self, proposal: Proposal) -> int:
         if len(self.widths) == 1:
             return self.widths[0]
-        return self.best(self.expected(self.q(proposal)))[0]
+        q = self.q(proposal)
+        return self.best(q)[0] if q.any() else 1  # nothing to verify: an AR step, whatever the costs' noise
 
-    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray) -> None:
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray) -> None:
         self._rows(proposal.draft.shape[0])
+        self.remaining = remaining
         # a forward of width w compares w draft tokens with AR's (it commits at most w tokens: the w-th one's
         # acceptance adds none, but is seen)
         real = np.cumprod(proposal.draft[:, :width] != self.mask_id, 1)
@@ -268,6 +337,7 @@ class Adaptive(Policy):
             rows = (proposal.source == index) & (submitted > 0)
             if not rows.any():
                 continue
+            self.learnt += 1
             seen = looked & rows[:, None]
             self.estimates[name].update(proposal.confidence[:, :width][seen],
                                         np.broadcast_to(positions, seen.shape)[seen],
@@ -279,6 +349,8 @@ class Adaptive(Policy):
     def keep_rows(self, stay: np.ndarray) -> None:
         if self.row_accepted is not None:
             self.row_accepted, self.row_tried = self.row_accepted[stay], self.row_tried[stay]
+        if self.remaining is not None:
+            self.remaining = self.remaining[stay]
 
 
 POLICIES = {"adaptive": Adaptive, "longest": Longest}

@@ -204,13 +204,14 @@ def decode_verified(model, r) -> GenerateOutput:
             following = drafts.next(length, ar, agreed)
             # the one host sync of an iteration: its outcome, and the next proposal for the policy
             rows = len(s.rows)
+            remaining = torch.where(done[s.rows], 0, s.n - s.written[s.rows])
             outcome = np.asarray(torch.cat([torch.stack([length.max(), done.all(), done[s.rows].any()]).double(),
-                                            agreed.double(), following.draft.flatten().double(),
+                                            agreed.double(), remaining.double(), following.draft.flatten().double(),
                                             following.confidence.flatten().double(), following.source.double()]).tolist())
             widest, over, left = (int(x) for x in outcome[:3])
-            policy.observe(seen, width, outcome[3 : 3 + rows].astype(np.int64))
-            at = 3 + rows + rows * b
-            seen = Proposal(outcome[3 + rows : at].astype(np.int64).reshape(rows, b),
+            policy.observe(seen, width, outcome[3 : 3 + rows].astype(np.int64), outcome[3 + rows : 3 + 2 * rows])
+            at = 3 + 2 * rows + rows * b
+            seen = Proposal(outcome[3 + 2 * rows : at].astype(np.int64).reshape(rows, b),
                             outcome[at : at + rows * b].reshape(rows, b), outcome[at + rows * b :].astype(np.int64))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far

@@ -151,7 +151,8 @@ def test_expensive_drafting_makes_every_step_an_ar_step(converted):
 
 def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
     """The oracle drafter under a scripted cost where width is nearly free: after the first forward (which appends
-    the prompt and has no draft yet) every forward verifies the whole block and accepts all of it."""
+    the prompt and has no draft yet) every forward verifies the whole block and accepts all of it, the last one only
+    the tokens left (23 after the first: five blocks of 4, then 3)."""
     hf, target, drafter = converted
     ids = left_padded(batch=1)[0]
     greedy = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -161,7 +162,7 @@ def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
     out, widths, accepted = widths_of(target, ids, 24, drafter=oracle, verify_draft="drafter", block_size=4,
                                       verify_policy=Adaptive(cheap))
     assert torch.equal(out.sequences, greedy)
-    assert widths[0] == 1 and widths[1:] == [4] * (len(widths) - 1)
+    assert widths == [1, 4, 4, 4, 4, 4, 3]
     assert [a[0] for a in accepted[1:-1]] == [4] * (len(accepted) - 2)  # (the last one may be cut by max_new_tokens)
     assert out.nfe == 1 + -(-23 // 4)
 
@@ -174,7 +175,7 @@ def test_the_policy_drafts_where_acceptance_pays_and_stops_where_confidence_fall
     sure, unsure = 0.95, 0.05
     for _ in range(50):  # what was seen: confident drafter tokens accepted, unconfident ones refused
         seen = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure, sure, unsure, unsure]]), np.array([1]))
-        policy.observe(seen, 4, np.array([2]))
+        policy.observe(seen, 4, np.array([2]), np.array([100]))
     confident = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure] * 4]), np.array([1]))
     falling = Proposal(np.array([[1, 2, 3, 4]]), np.array([[sure, sure, unsure, unsure]]), np.array([1]))
     assert policy.width(confident) == 4
@@ -183,6 +184,34 @@ def test_the_policy_drafts_where_acceptance_pays_and_stops_where_confidence_fall
     assert policy.worth("drafter", None, 1)  # its tokens are mostly accepted: it pays for its forward
     policy.costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1), draft=lambda rows: 50.0)
     assert not policy.worth("drafter", None, 1)  # a forward of 50 AR steps never pays
+
+
+def test_a_batch_drafts_for_the_row_with_most_left():
+    """Where a forward costs the same whatever its rows, only the row with most left decides how soon the batch
+    ends: a sure draft is verified when that row (or every row tied with it) has one, not when only a row ahead of
+    it does; where each row costs its own share, the rows' own tokens count too."""
+    flat = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1))
+    policy = Adaptive(flat)
+    policy.start(("lookup",), (1, 2, 3, 4), None, mask_id=99)
+    for _ in range(50):  # lookup's drafts have been accepted whole
+        policy.observe(Proposal(np.array([[1, 2, 3, 4]]), np.ones((1, 4)), np.array([0])), 4, np.array([4]),
+                       np.array([100]))
+    sure, none = [1, 2, 3, 4], [99] * 4
+
+    def width(drafts, remaining):
+        policy.row_accepted = policy.row_tried = None  # (a new batch: no running rates yet)
+        policy.remaining = None if remaining is None else np.array(remaining)
+        return policy.width(Proposal(np.array(drafts), (np.array(drafts) != 99).astype(float), np.zeros(len(drafts), int)))
+
+    assert width([sure, sure], None) == 4  # every row has it
+    assert width([sure, none], None) == 1  # one row cannot end the batch sooner
+    assert width([sure, none], [40, 20]) == 4  # the row with most left has it: the batch ends sooner
+    assert width([none, sure], [40, 20]) == 1
+    assert width([sure, none], [40, 38]) == 3  # the other row is 2 behind it: 3 tokens shorten the batch
+    assert width([sure], [2]) == 2  # no wider than what is left
+    per_row = ScriptedCosts(verify=lambda rows, width: rows * (1.0 + 0.1 * (width - 1)))
+    policy.costs = per_row
+    assert width([sure, none], None) == 4  # each row pays its own share: row 0's tokens pay for its columns
 
 
 def test_cost_tables_interpolate_between_measured_shapes():
