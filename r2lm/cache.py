@@ -174,8 +174,18 @@ class KVCache:
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (a [B] bool mask or row indices), in order: rows a decoder has finished leave
-        the batch, so later forwards do not compute them."""
-        for buffers in (self.key, self.value, self.S, self.Z):
+        the batch, so later forwards do not compute them. The kept rows' keys and values move into the leading rows
+        of the same buffers, only the columns in use: a cache with room for a long generation (a verifier's) pays
+        for what it holds, not for its room. (The columns after them keep finite values from before: scratch, never
+        read before a forward writes it, and masked where a compiled step reads every column.)"""
+        keep = keep.nonzero().flatten() if keep.dtype == torch.bool else keep
+        rows, used = keep.numel(), max(self._length, self._stale_end)
+        for buffers in (self.key, self.value):
+            for i, t in enumerate(buffers):
+                if t is not None:
+                    t[:rows, :, :used] = t[keep, :, :used]
+                    buffers[i] = t[:rows]
+        for buffers in (self.S, self.Z):
             buffers[:] = [None if t is None else t[keep] for t in buffers]
         self._valid, self._next_position = self._valid[keep], self._next_position[keep]
 
