@@ -86,7 +86,7 @@ class Proposal:
 @dataclass(frozen=True)
 class Prices:
     """The costs a policy reads at one row count R: the forward widths and their seconds C(R, w), an AR step's
-    C(R, 1), the per-row part B of an AR step (C(R, 1) = A + B R), a drafter forward's D(R)."""
+    C(R, 1), the per-row part B of an AR step (C(R, 1) = A + B R), drafting's D(R)."""
 
     widths: np.ndarray
     verify: np.ndarray
