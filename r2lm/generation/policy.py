@@ -1,8 +1,8 @@
 """How much each row drafts at each step of verified decoding, and from which source: never slower than AR.
 
-A draft pays only where it is accepted often enough to cover what it costs: on a 2-core CPU a forward that verifies
-7 draft tokens costs about 1.7 AR steps at batch 1 and 4 at batch 8 (SmolLM2-135M on a 2-core EPYC), and a
-drafter's own forward a fraction of one.
+A draft pays only where it is accepted often enough to cover what it costs: on a CPU a forward that verifies 7
+draft tokens costs more than an AR step, several times more in a batch of 8 than alone, and a drafter's own forward
+a fraction of one (eval/step_cost.py measures them; docs/results.md).
 So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
 
 - acceptance, per draft source: the share of submitted tokens accepted, pooled (a new source starts at an even
