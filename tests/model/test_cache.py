@@ -119,3 +119,23 @@ def test_dual_stream_window_equals_decoding(name, prediction):
             window = inputs[:, cols]
             torch.testing.assert_close(model.denoise(window, cache), logits[:, cols], atol=1e-5, rtol=1e-5)
         assert torch.equal(target[cols], torch.arange(start, start + window.shape[1]) + offset)
+
+
+@pytest.mark.parametrize("name", ["r2lm", "r2lm+hybrid"])
+@pytest.mark.parametrize("keep", [torch.tensor([True, False, True]), torch.tensor([2, 0])])
+def test_rows_that_leave_leave_the_others_as_they_were(name, keep):
+    """keep_rows (rows a decoder finished leave the batch) moves the kept rows' keys in place: the next window read
+    over the smaller cache gives the kept rows' logits of the same read over the whole batch (to float tolerance:
+    a smaller batch may take other kernels)."""
+    model = tiny_r2lm(open_gates=True, **MODELS[name])
+    ids, mask = _prompt()
+    first, second = torch.randint(0, MASK_ID, (3, 8)), _window(3)
+    cache = model.new_cache(3, 64)
+    with torch.no_grad():
+        model.prefill(ids, cache, attention_mask=mask)
+        model.commit(first, cache)
+        whole = model.denoise(second, cache)
+        cache.keep_rows(keep)
+        kept = model.denoise(second[keep], cache)
+    assert cache.batch_size == kept.shape[0] == 2
+    torch.testing.assert_close(kept, whole[keep], atol=1e-5, rtol=1e-5)
