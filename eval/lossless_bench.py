@@ -14,7 +14,10 @@ way in; per category the first --speed-prompts of at most --max-prompt-tokens to
 or after --new-tokens tokens.
 
 speed      per category and batch size, one run interleaved a batch at a time (a drift in a shared host's speed
-           falls on every decoder alike), each decoder timed over all the batches (median of --repeats):
+           falls on every decoder alike), each decoder timed over all the batches; each of --repeats passes runs
+           the decoders in another order (the first pass AR first, the next the second decoder first, ...), and a
+           decoder's fastest pass counts (a shared machine's noise only adds time; no decoder always follows the
+           same one):
              ar                     the target without sidecars, block_size=1, KV cache: its greedy AR decoding
              transformers           greedy `generate` of --reference (the checkpoint the target was converted
                                     from; without one, the target's weights in transformers' own model class)
@@ -49,7 +52,8 @@ curve      for each --curve RUN_DIR (a train/pretrain.py objective=drafter run):
            them the run's own held-out estimate (metrics.jsonl eval_tau).
 
 Writes lossless.json and lossless.png to --out and replaces the "Lossless decoding" section of --results-md (between
-its markers) with tables rendered from the JSON (`render`). With --update only the --parts given are measured; the
+its markers; by default docs/results.md when --out is docs/results, none otherwise: a scratch run leaves the
+figures of record alone) with tables rendered from the JSON (`render`). With --update only the --parts given are measured; the
 others stay as lossless.json has them (each part records its commit, machine and settings; the target must match).
 """
 
@@ -59,7 +63,6 @@ import argparse
 import json
 import logging
 import re
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +85,7 @@ from r2lm.ops.linear import Tuner, install
 from r2lm.workloads import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT, DEFAULT_RESULTS_MD = REPO / "docs" / "results", REPO / "docs" / "results.md"
 logger = logging.getLogger("eval.lossless_bench")
 PARTS = ("speed", "humaneval", "curve")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -205,12 +209,14 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
     times, results = {name: [] for name in runs}, {}
     with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
               unit="decode", dynamic_ncols=True) as progress:
-        for _ in range(args.repeats):
+        names = list(runs)
+        for repeat in range(args.repeats):
             spent, outputs = dict.fromkeys(runs, 0.0), {name: [] for name in runs}
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
             for ids, mask in batches:
-                for name, run in runs.items():
+                for name in order:
                     start = time.perf_counter()
-                    outputs[name].append(run(ids, mask, n))
+                    outputs[name].append(runs[name](ids, mask, n))
                     spent[name] += time.perf_counter() - start
                     progress.update(1)
             for name in runs:
@@ -226,7 +232,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
              "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
              "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
                           if name.startswith(("verify:", "vllm_"))},
-             "seconds": {name: statistics.median(t) for name, t in times.items()},
+             "seconds": {name: min(t) for name, t in times.items()},
              "differing_rows": differing}
     if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
         out = results["threshold"]
@@ -359,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=positive, default=64, help="new tokens per row (fewer where EOS comes)")
     parser.add_argument("--block-size", type=positive, default=8,
                         help="draft length of prompt lookup (ours and transformers'); drafters draft their own")
-    parser.add_argument("--repeats", type=positive, default=1, help="timed passes over the batches (median)")
+    parser.add_argument("--repeats", type=positive, default=1,
+                        help="timed passes over the batches, each in another order of the decoders (the fastest "
+                             "pass counts)")
     parser.add_argument("--humaneval-problems", type=positive, default=164, help="the first N of HumanEval's 164")
     parser.add_argument("--humaneval-new-tokens", type=positive, default=256)
     parser.add_argument("--humaneval-batch-size", type=positive, default=8)
@@ -382,8 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "own environment (scripts/serve_env.sh builds it on first use)")
     parser.add_argument("--update", action="store_true",
                         help="measure only --parts; keep the other parts of OUT/lossless.json as they were measured")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
-    parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--results-md", type=Path,
+                        help="the markdown whose \"Lossless decoding\" section is replaced (default: docs/results.md "
+                             "when --out is docs/results; otherwise the section is only printed)")
     return parser
 
 
@@ -424,8 +434,10 @@ def check_args(parser, args) -> None:
         parser.error(f"--update keeps the parts of {args.out / 'lossless.json'}, which does not exist")
     if len(set(args.policies)) != len(args.policies):
         parser.error(f"--policies lists a policy twice: {args.policies}")
+    if args.results_md is None and args.out.resolve() == DEFAULT_OUT.resolve():
+        args.results_md = DEFAULT_RESULTS_MD
     for what, path, folder in (("--out", args.out, True), ("--results-md", args.results_md, False)):
-        problem = unwritable(path, folder)
+        problem = None if path is None else unwritable(path, folder)
         if problem:  # found now, not after the measurements
             parser.error(f"{what} {path}: {problem}")
 
@@ -474,7 +486,8 @@ def main(argv=None) -> dict:
     tmp.write_text(json.dumps(results, indent=1) + "\n")
     tmp.replace(args.out / "lossless.json")
     section = render(results)
-    replace_section(args.results_md, section)
+    if args.results_md is not None:
+        replace_section(args.results_md, section)
     print(section)
     return results
 
