@@ -284,7 +284,7 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
                 for name, d in s.drafters.items()}
     windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
-    return {"settings": part_settings(args, "speed"), "reference": s.reference, "windows": windows,
+    return {"settings": part_settings(args, "speed"), "timing": "fastest", "reference": s.reference, "windows": windows,
             "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
             "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
             "batches": per_batch}

@@ -9,6 +9,9 @@ from eval import common
 from eval.machine import label
 
 BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!-- lossless decoding: end -->"
+# how a speed part's seconds were taken from its passes (a part measured before "timing" was recorded: the median)
+TIMINGS = {"median": "each decoder's median pass",
+           "fastest": "each decoder's fastest pass, the decoders in another order each pass"}
 
 
 def render(results: dict) -> str:
@@ -34,7 +37,8 @@ def render(results: dict) -> str:
         lines += ["", f"Speed ({where(p)}): prompts per category {prompts} (the first of at most "
                   f"{st['max_prompt_tokens']} tokens; a batch larger than that repeats them), up to "
                   f"{st['new_tokens']} new tokens or EOS, lookup drafts of {st['block_size']}, {st['repeats']} timed "
-                  f"pass(es) interleaved a batch at a time; transformers decodes {p['reference']}. Cells: × AR (τ). "
+                  f"pass(es) interleaved a batch at a time ({TIMINGS[p.get('timing', 'median')]}); transformers decodes "
+                  f"{p['reference']}. Cells: × AR (τ). "
                   "*verify = AR*: every verified output (vLLM's speculative rows too) equal to AR's, token for token; "
                   "*AR = transformers*: AR's equal to transformers' greedy output (and plain vLLM's, where measured: "
                   "its rows run after r2lm's, in vLLM's own environment, not interleaved).", "",

@@ -114,6 +114,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert text.startswith(DOCS + "\n" + BEGIN + "\n## Lossless decoding\n")
     assert text.endswith(END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
+    assert speed["timing"] == "fastest" and "each decoder's fastest pass" in text
     assert "Window drafts sidecars:" in text and speed["windows"]["sidecars"]["sidecar_layers"] == [1]
 
     # --update measures the parts given again and keeps the others as they were; without --results-md a run whose
