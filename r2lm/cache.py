@@ -12,7 +12,7 @@ the next window): it advances by those, and the window's scratch is overwritten 
 
 The cache's fields are its own: the per-layer buffers (key, value, S, Z) are bound once, what changes as it is used
 (length, next_position, valid, the stale region) is private and read through properties, and every change goes
-through a method named for what the caller means (advance, rewind, pad, place_row, load, keep_rows);
+through a method named for what the caller means (advance, rewind, pad, place_row, load, keep_rows, reserve);
 tests/project/test_plans.py checks that no code outside this module assigns one.
 """
 
@@ -81,6 +81,27 @@ class KVCache:
         """Attention over an input of `num_tokens` reads columns [0, keys_read): the committed ones, the input's,
         and any stale ones after them."""
         return max(self._length + num_tokens, self._stale_end)
+
+    def reserve(self, num_tokens: int) -> bool:
+        """Make room for a forward of `num_tokens` columns, growing the cache if it has less: to twice its length or
+        what is needed, whichever is more, the columns in use moved into the new buffers. For a cache whose worst case
+        is many times what it usually holds (verified decoding's, whose rows may drift apart: r2lm.generation.verify),
+        which can then start at what it usually needs. Returns whether it grew (a static-shape caller, compile=True,
+        sizes its cache for the worst case and never calls this)."""
+        used = max(self._length, self._stale_end)
+        if max(self._length + num_tokens, self._stale_end) <= self.max_length:
+            return False
+        length = max(self._length + num_tokens, 2 * self.max_length)
+        for buffers in (self.key, self.value):
+            for i, t in enumerate(buffers):
+                if t is not None:
+                    grown = t.new_zeros(*t.shape[:2], length, t.shape[3])
+                    grown[:, :, :used] = t[:, :, :used]
+                    buffers[i] = grown
+        valid = self._valid.new_zeros(self.batch_size, length)
+        valid[:, :used] = self._valid[:, :used]
+        self._valid, self._columns = valid, torch.arange(length, device=self._columns.device)
+        return True
 
     def check_room(self, num_tokens: int) -> None:
         if self._length + num_tokens > self.max_length:

@@ -219,8 +219,9 @@ class ModelDrafts(CleanDrafts):
         self.capture = tuple(drafter.config.feature_layers)
         super().__init__(state, policy, verifying)
         # the drafter's context grows by every column a forward reads (a row's uncommitted ones invalid), at most b
-        # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b)
-        self.context = drafter.new_context(state.batch, state.prompt_len + (state.n + 2) * state.b
+        # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b):
+        # it starts at what AR steps need and grows as it is appended to (catch_up)
+        self.context = drafter.new_context(state.batch, state.prompt_len + state.n + 2 * state.b
                                            + drafter.config.block_size)
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # (captured, valid) not appended yet
 
@@ -274,6 +275,7 @@ class ModelDrafts(CleanDrafts):
         else:
             captured = [torch.cat(layer, 1) for layer in zip(*(c for c, _ in self.pending), strict=True)]
             valid = torch.cat([v for _, v in self.pending], 1)
+        self.context.kv.reserve(valid.shape[1] + self.drafter.config.block_size)  # the columns and the block's scratch
         self.drafter.append(self.context, captured, valid)
         self.pending = []
 

@@ -33,7 +33,7 @@ Rows commit their own lengths, so a batch is not held to its slowest row's accep
 columns for all rows: a forward keeps as many clean columns as the row that committed most, and marks the
 columns a row did not commit as not valid, as left padding is (RoPE positions are per row), so every visible key
 and value is a committed token's. The cache grows by at most b columns per forward, and by no more than the rows
-commit together. A row that has finished (EOS, a stop, max_new_tokens) leaves the cache and the forwards
+commit together (the cache starts at what AR steps need and grows when rows drift apart). A row that has finished (EOS, a stop, max_new_tokens) leaves the cache and the forwards
 (`WindowReader.keep_rows`; not under compile=True, where a new batch size would recompile), so a batch costs about
 its rows' own forwards rather than its slowest row's times the batch size.
 
@@ -152,9 +152,19 @@ class Verification:
         self.out = self.text[:, self.prompt_len :]
         self.written = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.rows = torch.arange(self.batch, device=self.device)
-        growth = min(self.n * self.b, self.batch * (self.n + self.b))  # cache columns the loop may keep (docstring)
+        # the cache columns the loop keeps: n where every step commits as much in every row, at most
+        # min(n b, B (n + b)) where rows drift apart (docstring). A static shape (compile=True) is sized for the
+        # worst case; otherwise the cache starts at the usual need and grows as a forward needs (`make_room`)
+        self.growing = not r.caching.compile
+        growth = self.n + self.b if self.growing else min(self.n * self.b, self.batch * (self.n + self.b))
+        self.forward_width = forward_width
         self.context = ExactCache(model, r.prompt, growth + forward_width, r.caching)
         self.reader = self.context.reader
+
+    def make_room(self) -> None:
+        """Room in the cache for the next verification forward, its widest shape."""
+        if self.growing:
+            self.reader.cache.reserve(self.forward_width)
 
 
 def decode_verified(model, r) -> GenerateOutput:
@@ -181,6 +191,7 @@ def decode_verified(model, r) -> GenerateOutput:
         width = drafts.width(seen)
         while True:
             draft, confidence = proposal.draft, proposal.confidence
+            s.make_room()
             logits = drafts.verify(opener, draft, width)
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
             agrees = (draft[:, :width] == ar).long().cumprod(1)

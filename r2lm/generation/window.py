@@ -61,6 +61,10 @@ class _Shape:
     def sync(self, cache) -> None:
         """Columns [0, length) show the cache's keys the queries see (its valid tokens, r2lm.layout.cached_keys_seen),
         the next `width` the in-input predicate."""
+        if self.mask.shape[-1] < cache.max_length:  # the cache grew (KVCache.reserve): the mask too, as it was
+            grown = self.mask.new_full((*self.mask.shape[:-1], cache.max_length), float("-inf"))
+            grown[..., : self.mask.shape[-1]] = self.mask
+            self.mask = grown
         old, new = self.length or 0, cache.length
         if self.length == new:
             return

@@ -329,6 +329,26 @@ def test_only_committed_tokens_are_valid_in_the_cache(cycle_drafter, paced, monk
             torch.testing.assert_close(mine[0][:, valid][:, : text.shape[1]], theirs[0], atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_grows_as_rows_drift_apart(cycle_drafter, paced, monkeypatch):
+    """The verifier's cache starts at what AR steps need (the prompt, the new tokens and one forward's columns) and
+    grows when rows commit at different paces (each forward keeps as many columns as the row that committed most:
+    here under lookup drafts, the good row 4 a forward, the poor one fewer); every row's text is still the one it
+    decodes alone."""
+    import r2lm.generation.verify as verify
+
+    contexts, opened = [], verify.ExactCache
+    monkeypatch.setattr(verify, "ExactCache", lambda *a, **k: contexts.append(opened(*a, **k)) or contexts[-1])
+    good, poor = paced
+    alone = [generate(cycle_drafter, p, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **WHOLE,
+                      **LOOKUP) for p in (poor, good)]
+    sizes = [c.reader.cache.max_length for c in contexts]
+    both = generate(cycle_drafter, torch.cat([poor, good]), max_new_tokens=24, block_size=4, verify=True,
+                    eos_token_id=[], **WHOLE, **LOOKUP)
+    assert torch.equal(both.sequences, torch.cat([run.sequences for run in alone]))
+    assert sizes == [poor.shape[1] + 24 + 4 + 4] * 2  # the prompt, the new tokens, one forward (a draft of 4)
+    assert contexts[-1].reader.cache.max_length > sizes[0]  # it grew
+
+
 def test_verify_refuses_what_it_cannot_verify():
     ids = torch.tensor([[5, 6, 7]])
     cases = [(dict(attention="block_causal"), {}, "attention='causal'"),

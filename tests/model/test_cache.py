@@ -139,3 +139,25 @@ def test_rows_that_leave_leave_the_others_as_they_were(name, keep):
         kept = model.denoise(second[keep], cache)
     assert cache.batch_size == kept.shape[0] == 2
     torch.testing.assert_close(kept, whole[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["r2lm", "r2lm+hybrid"])
+def test_a_cache_that_grows_reads_as_before(name):
+    """reserve (a verifier's cache starts small and grows as its rows drift apart): a cache just big enough for the
+    prompt and a block grows when a forward needs more room, and the next read gives the logits of the same read
+    over a cache that had the room from the start, its committed keys, padding and positions moved as they were."""
+    model = tiny_r2lm(open_gates=True, **MODELS[name])
+    ids, mask = _prompt()
+    first, second = torch.randint(0, MASK_ID, (3, 8)), _window(3)
+    roomy, tight = model.new_cache(3, 64), model.new_cache(3, 19)
+    with torch.no_grad():
+        for cache in (roomy, tight):
+            model.prefill(ids, cache, attention_mask=mask)
+            assert not cache.reserve(8)  # room enough: nothing moves
+            model.commit(first, cache)
+        assert tight.max_length == 19 and tight.reserve(8) and tight.max_length == 38  # twice its length
+        assert tight.reserve(60) and tight.max_length == 79  # or what is needed
+        expected, got = model.denoise(second, roomy), model.denoise(second, tight)
+    assert torch.equal(tight.valid[:, :19], roomy.valid[:, :19]) and not tight.valid[:, 19:].any()
+    assert torch.equal(tight.next_position, roomy.next_position)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
