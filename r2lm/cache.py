@@ -88,10 +88,9 @@ class KVCache:
         is many times what it usually holds (verified decoding's, whose rows may drift apart: r2lm.generation.verify),
         which can then start at what it usually needs. Returns whether it grew (a static-shape caller, compile=True,
         sizes its cache for the worst case and never calls this)."""
-        used = max(self._length, self._stale_end)
-        if max(self._length + num_tokens, self._stale_end) <= self.max_length:
+        if self._length + num_tokens <= self.max_length:
             return False
-        length = max(self._length + num_tokens, 2 * self.max_length)
+        used, length = max(self._length, self._stale_end), max(self._length + num_tokens, 2 * self.max_length)
         for buffers in (self.key, self.value):
             for i, t in enumerate(buffers):
                 if t is not None:

@@ -33,9 +33,10 @@ Rows commit their own lengths, so a batch is not held to its slowest row's accep
 columns for all rows: a forward keeps as many clean columns as the row that committed most, and marks the
 columns a row did not commit as not valid, as left padding is (RoPE positions are per row), so every visible key
 and value is a committed token's. The cache grows by at most b columns per forward, and by no more than the rows
-commit together (the cache starts at what AR steps need and grows when rows drift apart). A row that has finished (EOS, a stop, max_new_tokens) leaves the cache and the forwards
-(`WindowReader.keep_rows`; not under compile=True, where a new batch size would recompile), so a batch costs about
-its rows' own forwards rather than its slowest row's times the batch size.
+commit together: it starts at what AR steps need and grows (KVCache.reserve) when rows drift apart. A row that has
+finished (EOS, a stop, max_new_tokens) leaves the cache and the forwards (`WindowReader.keep_rows`; not under
+compile=True, where a new batch size would recompile), so a batch costs about its rows' own forwards rather than
+its slowest row's times the batch size.
 
 Drafts come from one interface (r2lm.generation.drafts): the window above (pre-drafting inside the verification
 forward), prompt lookup (`verify_draft="lookup"`: what followed the latest earlier occurrence of the row's last
