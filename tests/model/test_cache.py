@@ -47,12 +47,18 @@ def test_prefill_denoise_equals_full_forward(name):
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
 
+def _two_blocks(name):
+    """A tiny model of MODELS[name], a left-padded prompt (ids, mask) of 3 rows, a first block to commit after it
+    and a second window to read after that."""
+    model = tiny_r2lm(open_gates=True, **MODELS[name])
+    ids, mask = _prompt()
+    return model, ids, mask, torch.randint(0, MASK_ID, (3, 8)), _window(3)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_commit_then_next_window_equals_full_forward(name):
     """Two blocks: the second window reads a cache holding the prompt and the committed first block."""
-    model = tiny_r2lm(open_gates=True, **MODELS[name])
-    ids, mask = _prompt()
-    first, second = torch.randint(0, MASK_ID, (3, 8)), _window(3)
+    model, ids, mask, first, second = _two_blocks(name)
     cache = model.new_cache(3, 64)
     with torch.no_grad():
         model.prefill(ids, cache, attention_mask=mask)
@@ -127,9 +133,7 @@ def test_rows_that_leave_leave_the_others_as_they_were(name, keep):
     """keep_rows (rows a decoder finished leave the batch) moves the kept rows' keys in place: the next window read
     over the smaller cache gives the kept rows' logits of the same read over the whole batch (to float tolerance:
     a smaller batch may take other kernels)."""
-    model = tiny_r2lm(open_gates=True, **MODELS[name])
-    ids, mask = _prompt()
-    first, second = torch.randint(0, MASK_ID, (3, 8)), _window(3)
+    model, ids, mask, first, second = _two_blocks(name)
     cache = model.new_cache(3, 64)
     with torch.no_grad():
         model.prefill(ids, cache, attention_mask=mask)
@@ -146,9 +150,7 @@ def test_a_cache_that_grows_reads_as_before(name):
     """reserve (a verifier's cache starts small and grows as its rows drift apart): a cache just big enough for the
     prompt and a block grows when a forward needs more room, and the next read gives the logits of the same read
     over a cache that had the room from the start, its committed keys, padding and positions moved as they were."""
-    model = tiny_r2lm(open_gates=True, **MODELS[name])
-    ids, mask = _prompt()
-    first, second = torch.randint(0, MASK_ID, (3, 8)), _window(3)
+    model, ids, mask, first, second = _two_blocks(name)
     roomy, tight = model.new_cache(3, 64), model.new_cache(3, 19)
     with torch.no_grad():
         for cache in (roomy, tight):
