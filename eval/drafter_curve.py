@@ -69,12 +69,44 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
         if model_path and Path(model_path).resolve() != Path(args.target).resolve():  # (a path of this machine: logged)
             logger.warning("%s was trained beside %s; measured beside --target %s", folder, model_path, args.target)
         drafter = checkpoint_drafter(folder).to(s.target.dtype)
-        run = r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft="drafter")
+        # the whole draft every step: the drafter's own τ (the adaptive policy would trade it for speed)
+        run = r2lm_decoder(s.target, s.eos, s.pad, verify=True, drafter=drafter, verify_draft="drafter",
+                           verify_policy="longest")
         tau = {}
         for category in args.categories:
             outs = [run(*left_pad([ids], s.pad), args.new_tokens) for _, ids in prompts[category][: args.curve_prompts]]
             tau[category] = sum(o.tokens for o in outs) / max(sum(o.forwards for o in outs), 1)
         points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau})
         logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
-    return {"run": name_of(run_dir), "block_size": drafter.config.block_size if checkpoints else None,
-            "points": points, "eval_tau": evals}
+    return {"run": name_of(run_dir), "data": training_data(run_dir), "block_size":
+            drafter.config.block_size if checkpoints else None, "points": points, "eval_tau": evals}
+
+
+def training_data(run_dir: Path) -> str:
+    """What a run trained on, as its config.yaml names it: the training file (by name) and the labels (the target's
+    distributions, or the text's own tokens)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    data = (config.get("data") or {}).get("train") or (config.get("data") or {}).get("hub_config") or "?"
+    labels = "target's distributions" if (config.get("drafter") or {}).get("distill") else "text tokens"
+    return f"{Path(str(data)).name}, {labels}"
+
+
+# settings two curve parts must share for their runs to sit in one table (checkpoints and threads change no τ)
+COMPARABLE = ("categories", "curve_prompts", "max_prompt_tokens", "new_tokens")
+
+
+def merge_runs(old: dict | None, runs: list[dict], settings: dict) -> list[dict]:
+    """The runs measured now, then the runs of an earlier curve part (`old`, lossless.json's) that were not measured
+    again, where it was measured with the same settings: one table then compares the data sources of runs measured
+    in different sittings, each run keeping the commit and machine it was measured at."""
+    if not old:
+        return runs
+    if any(old["settings"].get(k) != settings.get(k) for k in COMPARABLE):
+        logger.warning("the curve lossless.json holds was measured with other settings: its runs are dropped")
+        return runs
+    again = {r["run"] for r in runs}
+    where = {k: old["measured"][k] for k in ("commit", "machine")}
+    return runs + [{"measured": where, **r} for r in old["runs"] if r["run"] not in again]

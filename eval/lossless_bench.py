@@ -15,10 +15,12 @@ or after --new-tokens tokens.
 
 speed      per category and batch size, one run interleaved a batch at a time (a drift in a shared host's speed
            falls on every decoder alike), each decoder timed over all the batches; each of --repeats passes runs
-           the decoders in another order (the first pass AR first, the next the second decoder first, ...), and a
-           decoder's fastest pass counts (a shared machine's noise only adds time; no decoder always follows the
-           same one):
+           the decoders in another order (the first pass AR first, the next the second decoder first, ...), and
+           each batch's fastest decode counts (a shared machine's noise only adds time, and comes and goes faster
+           than a pass lasts; no decoder always follows the same one):
              ar                     the target without sidecars, block_size=1, KV cache: its greedy AR decoding
+             ar_again               the same decoding again, timed as a decoder of its own: its × AR is what two
+                                    identical decoders differ by in this run (the noise floor of every cell)
              transformers           greedy `generate` of --reference (the checkpoint the target was converted
                                     from; without one, the target's weights in transformers' own model class)
              transformers_lookup    the same with `prompt_lookup_num_tokens=--block-size` (batch 1 only: assisted
@@ -47,9 +49,13 @@ humaneval  pass@1 of greedy replies to the first --humaneval-problems HumanEval 
            --threshold-model) with its own block size: the quality cost of the lossy mode. Interleaved a batch at a
            time.
 curve      for each --curve RUN_DIR (a train/pretrain.py objective=drafter run): τ of the drafter at up to
-           --curve-points of its checkpoints (each reassembled from its DeepSpeed shards), verify:NAME on the first
-           --curve-prompts prompts of each category at batch 1, against the training tokens of that step; beside
-           them the run's own held-out estimate (metrics.jsonl eval_tau).
+           --curve-points of its checkpoints (each reassembled from its DeepSpeed shards), verify:NAME with
+           verify_policy="longest" (every step submits the whole draft: the drafter's own chain τ, not what the
+           adaptive policy chose to spend on it) on the first --curve-prompts prompts of each category at batch 1,
+           against the training tokens of that step; beside them the run's own held-out estimate (metrics.jsonl
+           eval_tau). With --update, the runs lossless.json holds that are not measured again stay (where their
+           settings match), each with the commit and machine it was measured at: one table of τ against data per
+           data source, whichever sitting measured each.
 
 Writes lossless.json and lossless.png to --out and replaces the "Lossless decoding" section of --results-md (between
 its markers; by default docs/results.md when --out is docs/results, none otherwise: a scratch run leaves the
@@ -72,7 +78,7 @@ from tqdm import tqdm
 
 from eval import common
 from eval.decoders import Decoded, category_prompts, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
-from eval.drafter_curve import checkpoint_config, measure_curve
+from eval.drafter_curve import checkpoint_config, measure_curve, merge_runs
 from eval.humaneval import measure_humaneval
 from eval.lossless_report import plot, render, replace_section
 from eval.machine import describe, linear_orders, name_of, packages
@@ -173,6 +179,7 @@ def speed_decoders(s: Setup, block_size: int, policies: list[str], untrained: bo
     """name -> (decode(ids, mask, n), batch 1 only). Every verified decoder once per policy: the first plain
     (verify:lookup), the others suffixed (verify:lookup@longest)."""
     decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
+                "ar_again": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
                 "transformers": (transformers_decoder(s.hf, s.eos, s.pad), False),
                 "transformers_lookup": (transformers_decoder(s.hf, s.eos, s.pad, prompt_lookup_num_tokens=block_size),
                                         True)}
@@ -206,25 +213,24 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
     n = args.new_tokens
     for run in runs.values():  # warm-up: the tuner times its product orders on first use of each shape
         run(*batches[0], min(n, 16))
-    times, results = {name: [] for name in runs}, {}
+    times, results = {name: [[] for _ in batches] for name in runs}, {}  # name -> per batch, each pass's seconds
     with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
               unit="decode", dynamic_ncols=True) as progress:
         names = list(runs)
         for repeat in range(args.repeats):
-            spent, outputs = dict.fromkeys(runs, 0.0), {name: [] for name in runs}
+            outputs = {name: [] for name in runs}
             order = names[repeat % len(names):] + names[: repeat % len(names)]
-            for ids, mask in batches:
+            for index, (ids, mask) in enumerate(batches):
                 for name in order:
                     start = time.perf_counter()
                     outputs[name].append(runs[name](ids, mask, n))
-                    spent[name] += time.perf_counter() - start
+                    times[name][index].append(time.perf_counter() - start)
                     progress.update(1)
             for name in runs:
-                times[name].append(spent[name])
                 results.setdefault(name, outputs[name])  # the first pass's outputs
     for name, measured in (peers or {}).items():
         results[name] = [Decoded(m["rows"], m["tokens"], m["forwards"]) for m in measured]
-        times[name] = [sum(m["seconds"] for m in measured)]
+        times[name] = [[m["seconds"]] for m in measured]
     ar = [row for d in results["ar"] for row in d.rows]
     differing = {name: sum(a != b for a, b in zip(ar, (row for d in out for row in d.rows), strict=True))
                  for name, out in results.items() if name not in ("ar", "threshold")}
@@ -232,7 +238,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
              "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
              "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
                           if name.startswith(("verify:", "vllm_"))},
-             "seconds": {name: min(t) for name, t in times.items()},
+             "seconds": {name: sum(map(min, t)) for name, t in times.items()},
              "differing_rows": differing}
     if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
         out = results["threshold"]
@@ -284,7 +290,7 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
                 for name, d in s.drafters.items()}
     windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
-    return {"settings": part_settings(args, "speed"), "timing": "fastest", "reference": s.reference, "windows": windows,
+    return {"settings": part_settings(args, "speed"), "timing": "fastest batch", "reference": s.reference, "windows": windows,
             "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
             "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
             "batches": per_batch}
@@ -366,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=positive, default=8,
                         help="draft length of prompt lookup (ours and transformers'); drafters draft their own")
     parser.add_argument("--repeats", type=positive, default=1,
-                        help="timed passes over the batches, each in another order of the decoders (the fastest "
-                             "pass counts)")
+                        help="timed passes over the batches, each in another order of the decoders (each "
+                             "batch's fastest decode counts)")
     parser.add_argument("--humaneval-problems", type=positive, default=164, help="the first N of HumanEval's 164")
     parser.add_argument("--humaneval-new-tokens", type=positive, default=256)
     parser.add_argument("--humaneval-batch-size", type=positive, default=8)
@@ -471,8 +477,10 @@ def main(argv=None) -> dict:
             elif part == "humaneval":
                 parts["humaneval"] = measure_humaneval(s, args, part_settings(args, "humaneval"))
             else:
-                parts["curve"] = {"settings": part_settings(args, "curve"),
-                                  "runs": [measure_curve(s, prompts, run, args) for run in args.curve]}
+                runs = [{**measure_curve(s, prompts, run, args), "measured": {"commit": commit, "machine": machine}}
+                        for run in args.curve]
+                settings = part_settings(args, "curve")
+                parts["curve"] = {"settings": settings, "runs": merge_runs(parts.get("curve"), runs, settings)}
             parts[part]["measured"] = {"commit": commit, "machine": machine, "linear_orders": linear_orders(s.tuner)}
     results = {"target": name_of(args.target), "target_digest": digest, "commit": commit, "machine": machine,
                "packages": packages(), "parts": parts}

@@ -11,7 +11,8 @@ from eval.machine import label
 BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!-- lossless decoding: end -->"
 # how a speed part's seconds were taken from its passes (a part measured before "timing" was recorded: the median)
 TIMINGS = {"median": "each decoder's median pass",
-           "fastest": "each decoder's fastest pass, the decoders in another order each pass"}
+           "fastest": "each decoder's fastest pass, the decoders in another order each pass",
+           "fastest batch": "each batch's fastest decode, the decoders in another order each pass"}
 
 
 def render(results: dict) -> str:
@@ -95,10 +96,14 @@ def render(results: dict) -> str:
                          f"{v['vs_ar']:.2f}x | {v['tokens_per_forward']:.2f} | {v['same_as_ar']}/{h['problems']} |")
     if parts.get("curve"):
         c = parts["curve"]
-        lines += ["", f"τ against training tokens ({where(c)}): verify with the drafter alone at each checkpoint, "
-                  f"batch 1, the first {c['settings']['curve_prompts']} prompts of each category; *eval τ*: the run's "
-                  "own held-out estimate (metrics.jsonl; blocks at random anchors of teacher text).", "",
-                  "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
+        lines += ["", f"τ against training tokens: verify with the drafter alone at each checkpoint, the whole draft "
+                  f"every step, batch 1, the first {c['settings']['curve_prompts']} prompts of each category, up to "
+                  f"{c['settings']['new_tokens']} new tokens; *eval τ*: the run's own held-out estimate (metrics.jsonl; "
+                  "blocks at random anchors of teacher text). Each run: what it trained on, where it was measured:", ""]
+        for run in c["runs"]:
+            m = run.get("measured", c["measured"])
+            lines.append(f"- {Path(run['run']).name}: {run.get('data', 'data not recorded')}; commit {m['commit']}, {label(m.get('machine'))}")
+        lines += ["", "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
                   " | eval τ |", "|---|---|---|" + "---|" * (len(c["settings"]["categories"]) + 1)]
         for run in c["runs"]:
             evals = {e["step"]: e["eval_tau"] for e in run["eval_tau"]}

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from eval import lossless_bench
 from eval.decoders import category_prompts, r2lm_decoder
 from eval.humaneval import completion_of, score
-from eval.lossless_report import BEGIN, END
+from eval.lossless_report import BEGIN, END, render
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
@@ -87,6 +87,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
             assert set(e["tau"]) == verified and all(v >= 1 for v in e["tau"].values())
             # the same text from every lossless decoder: the same token count (threshold decoding is lossy)
             assert len({v for k, v in e["tokens"].items() if k != "threshold"}) == 1
+            assert e["differing_rows"]["ar_again"] == 0 and e["vs_ar"]["ar_again"] > 0  # the noise floor's control
             assert ("transformers_lookup" in e["vs_ar"]) == (batch == "1") == ("vs_transformers_lookup" in e)
             rows = e["threshold_rows"]  # default decoding computes no more rows than every row in every forward
             assert 0 < rows["decoding"] <= rows["computed"] <= rows["all_forwards"]
@@ -106,6 +107,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert 0 < curve["points"][0]["tokens"] < curve["points"][1]["tokens"]
     assert [e["step"] for e in curve["eval_tau"]] == [0, 3, 6] and curve["eval_tau"][0]["tokens"] == 0
     assert all(set(p["tau"]) == {"code", "chat", "prose"} for p in curve["points"])
+    assert curve["data"] == "train.jsonl, text tokens" and curve["measured"]["commit"] == data["commit"]
     for part in data["parts"].values():
         assert part["measured"]["machine"] == data["machine"] and "linear_orders" in part["measured"]
     assert (root / "out" / "lossless.png").stat().st_size > 10_000
@@ -114,7 +116,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert text.startswith(DOCS + "\n" + BEGIN + "\n## Lossless decoding\n")
     assert text.endswith(END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
-    assert speed["timing"] == "fastest" and "each decoder's fastest pass" in text
+    assert speed["timing"] == "fastest batch" and "each batch's fastest decode" in text
     assert "Window drafts sidecars:" in text and speed["windows"]["sidecars"]["sidecar_layers"] == [1]
 
     # --update measures the parts given again and keeps the others as they were; without --results-md a run whose
@@ -124,8 +126,31 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
                          "--curve-points", "1", *common(root, results_md=False)])
     again = json.loads((root / "out" / "lossless.json").read_text())
     assert again["parts"]["speed"] == speed and again["parts"]["humaneval"] == humaneval
-    assert [p["step"] for p in again["parts"]["curve"]["runs"][0]["points"]] == [6]  # the last one always
+    assert [[p["step"] for p in r["points"]] for r in again["parts"]["curve"]["runs"]] == [[6]]  # the last always
     assert results_md.read_text() == text and lossless_bench.DEFAULT_RESULTS_MD.read_text() == record
+
+
+def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
+    """--update --parts curve replaces the runs it measures again and keeps the others, each with the commit and
+    machine it was measured at, only where the settings that change τ match."""
+    settings = {"categories": ["code"], "curve_prompts": 2, "max_prompt_tokens": 1024, "new_tokens": 96,
+                "curve_points": 8, "threads": 2}
+    machine = {"cpu": "Intel(R) Xeon(R) Processor", "capability": "AVX512", "cpus": 2}
+    point = {"step": 100, "tokens": 409_600, "tau": {"code": 1.05}}
+    old = {"settings": settings, "measured": {"commit": "b40c813", "machine": machine, "linear_orders": {}},
+           "runs": [{"run": "teacher", "points": [point], "eval_tau": []},
+                    {"run": "text", "points": [point], "eval_tau": []}]}
+    now = [{"run": "text", "data": "text.jsonl, target's distributions", "points": [{**point, "step": 50}],
+            "eval_tau": [], "measured": {"commit": "c0ffee0", "machine": {**machine, "cpu": "AMD EPYC"}}}]
+    merged = lossless_bench.merge_runs(old, now, {**settings, "curve_points": 17, "threads": 1})
+    assert [r["run"] for r in merged] == ["text", "teacher"]
+    assert merged[1]["measured"] == {"commit": "b40c813", "machine": machine} and merged[0] == now[0]
+    assert lossless_bench.merge_runs(old, now, {**settings, "new_tokens": 64}) == now  # another τ: not one table
+    text = render({"target": "t", "parts": {"curve": {"settings": settings, "runs": merged,
+                                                      "measured": {"commit": "c0ffee0", "machine": machine}}}})
+    assert "- text: text.jsonl, target's distributions; commit c0ffee0" in text
+    assert "- teacher: data not recorded; commit b40c813, Intel" in text
+    assert "| teacher | 100 | 409,600 | 1.05 | - |" in text and "| text | 50 |" in text
 
 
 def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
