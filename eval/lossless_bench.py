@@ -86,6 +86,7 @@ from eval.parallel_bench import speed_batches
 from eval.vllm_peer import bench_rows
 from r2lm import R2LMForDiffusionLM
 from r2lm.drafter import target_digest
+from r2lm.generation.costs import measured_tables
 from r2lm.generation.policy import POLICIES
 from r2lm.ops.linear import Tuner, install
 from r2lm.workloads import CATEGORIES
@@ -290,10 +291,26 @@ def measure_speed(s: Setup, prompts: dict, args) -> dict:
                 for name, d in s.drafters.items()}
     windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
-    return {"settings": part_settings(args, "speed"), "timing": "fastest batch", "reference": s.reference, "windows": windows,
-            "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
+    return {"settings": part_settings(args, "speed"), "timing": "fastest batch", "reference": s.reference,
+            "windows": windows, "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
             "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
-            "batches": per_batch}
+            "batches": per_batch, "costs": step_costs(s)}
+
+
+# what verified decoding's draft sources are called in the decoders' names (r2lm.generation.drafts' classes)
+SOURCES = {"LookupDrafts": "lookup", "WindowDrafts": "window", "ModelDrafts": "{}", "LookupModelDrafts": "lookup+{}"}
+
+
+def step_costs(s: Setup) -> dict:
+    """The costs verified decoding measured for the target's forwards in this run (r2lm.generation.costs), by the
+    draft source they were measured for: seconds of a verification forward by rows and width, and of drafting by
+    rows (what the adaptive policy weighs; a window model's own are left out)."""
+    drafters = {id(d): name for name, d in s.drafters.items()}
+    out = {}
+    for (kind, b, _capture, _outcomes, drafter, *_rest), table in measured_tables(s.target).items():
+        name = SOURCES[kind].format(drafters.get(drafter, "drafter"))
+        out[name if name not in out else f"{name} (draft {b})"] = table
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- CLI

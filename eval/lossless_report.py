@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from eval import common
@@ -60,6 +61,22 @@ def render(results: dict) -> str:
             for category, e in ones.items():
                 cells = [f"{e['vs_transformers_lookup'][k]:.2f}x, step {e['step_cost_vs_ar'][k]:.2f}" for k in verified]
                 lines.append(f"| {category} | " + " | ".join(cells) + " |")
+        if p.get("costs"):
+            widths = sorted({int(w) for t in p["costs"].values() for by_width in t["verify"].values() for w in by_width
+                             if w != "1"})
+            lines += ["", "What a step costs on this machine, as verified decoding measured it at run time "
+                      "(r2lm.generation.costs, on a scratch cache; the adaptive policy weighs these against acceptance): "
+                      "a verification forward of width w (w - 1 draft tokens a row) and a drafter's forward, in AR "
+                      "steps of the same rows:", "",
+                      "| source | rows | AR step | " + " | ".join(f"width {w}" for w in widths) + " | drafting |",
+                      "|---|---|---|" + "---|" * (len(widths) + 1)]
+            for source, t in p["costs"].items():
+                for rows, by_width in t["verify"].items():
+                    ar = by_width["1"]
+                    cells = [f"{by_width[str(w)] / ar:.2f}" if str(w) in by_width else "-" for w in widths]
+                    drafting = t["draft"].get(rows, 0.0)
+                    lines.append(f"| {source} | {rows} | {ar * 1e3:.1f} ms | " + " | ".join(cells) +
+                                 f" | {f'{drafting / ar:.2f}' if drafting else '-'} |")
         rows = [(b, c, e["threshold_rows"]) for b, entries in p["batches"].items() if b != "1"
                 for c, e in entries.items() if "threshold_rows" in e]
         if rows:
@@ -102,7 +119,11 @@ def render(results: dict) -> str:
                   "blocks at random anchors of teacher text). Each run: what it trained on, where it was measured:", ""]
         for run in c["runs"]:
             m = run.get("measured", c["measured"])
-            lines.append(f"- {Path(run['run']).name}: {run.get('data', 'data not recorded')}; commit {m['commit']}, {label(m.get('machine'))}")
+            trend = per_doubling(run["points"], c["settings"]["categories"])
+            lines.append(f"- {Path(run['run']).name}: {run.get('data', 'data not recorded')}; commit {m['commit']}, "
+                         f"{label(m.get('machine'))}" + ("" if trend is None else
+                         f"; over its later checkpoints ({trend[1]:,} to {trend[2]:,} tokens) each doubling of its "
+                         f"training tokens added {trend[0]:+.3f} to τ (the categories' mean)"))
         lines += ["", "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
                   " | eval τ |", "|---|---|---|" + "---|" * (len(c["settings"]["categories"]) + 1)]
         for run in c["runs"]:
@@ -114,6 +135,20 @@ def render(results: dict) -> str:
                              f" | {'-' if ev is None else f'{ev:.2f}'} |")
     lines += ["", "![lossless decoding](results/lossless.png)"]
     return "\n".join(lines)
+
+
+def per_doubling(points: list[dict], categories: list[str]) -> tuple[float, int, int] | None:
+    """(τ gained per doubling of training tokens, first tokens, last tokens) over the later half of a run's
+    checkpoints: the least-squares slope of the categories' mean τ on log2(tokens), the rate that more data buys
+    where the run has got to (None below two such checkpoints)."""
+    later = [p for p in points[len(points) // 2:] if p["tokens"]]
+    if len({p["tokens"] for p in later}) < 2:
+        return None
+    x = [math.log2(p["tokens"]) for p in later]
+    y = [sum(p["tau"][k] for k in categories) / len(categories) for p in later]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
+    return slope, later[0]["tokens"], later[-1]["tokens"]
 
 
 def replace_section(path: Path, section: str) -> None:

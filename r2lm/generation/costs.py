@@ -148,5 +148,6 @@ def kept_costs(model, key: tuple, make: Callable[[], MeasuredCosts]) -> Measured
 
 
 def measured_tables(model) -> dict:
-    """Every cost table kept for `model` in this process, by key (for benchmarks' JSON)."""
-    return {"/".join(map(str, key)): costs.table() for key, costs in _KEPT.get(model, {}).items()}
+    """Every cost table kept for `model` in this process, by key (the draft source's key, then the thread count,
+    dtype and device; for benchmarks' JSON)."""
+    return {key: costs.table() for key, costs in _KEPT.get(model, {}).items()}

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from eval import lossless_bench
 from eval.decoders import category_prompts, r2lm_decoder
 from eval.humaneval import completion_of, score
-from eval.lossless_report import BEGIN, END, render
+from eval.lossless_report import BEGIN, END, per_doubling, render
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
@@ -117,6 +117,12 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert text.endswith(END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
     assert speed["timing"] == "fastest batch" and "each batch's fastest decode" in text
+    # the costs the policy measured, by source: a forward of each width at the call's rows and at one row
+    assert set(speed["costs"]) == {"lookup", "window", "untrained", "lookup+untrained", "fresh", "lookup+fresh"}
+    lookup = speed["costs"]["lookup"]
+    assert set(lookup["verify"]) == {"1", "2"} and set(lookup["verify"]["2"]) == {"1", "2", "3"}
+    assert lookup["draft"]["1"] == 0 and speed["costs"]["untrained"]["draft"]["1"] > 0
+    assert "| lookup | 2 | " in text and "| lookup+untrained | 1 | " in text
     assert "Window drafts sidecars:" in text and speed["windows"]["sidecars"]["sidecar_layers"] == [1]
 
     # --update measures the parts given again and keeps the others as they were; without --results-md a run whose
@@ -151,6 +157,12 @@ def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
     assert "- text: text.jsonl, target's distributions; commit c0ffee0" in text
     assert "- teacher: data not recorded; commit b40c813, Intel" in text
     assert "| teacher | 100 | 409,600 | 1.05 | - |" in text and "| text | 50 |" in text
+    # what more data buys: τ per doubling of tokens over a run's later checkpoints (here τ = 1 + 0.1 log2(tokens / 1M))
+    points = [{"step": i, "tokens": 2 ** i * 1_000_000, "tau": {"code": 1 + 0.1 * i, "chat": 1 + 0.1 * i}}
+              for i in range(6)]
+    slope, first, last = per_doubling(points, ["code", "chat"])
+    assert slope == pytest.approx(0.1) and (first, last) == (8_000_000, 32_000_000)
+    assert per_doubling(points[:1], ["code"]) is None
 
 
 def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
