@@ -57,11 +57,15 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
     from r2lm.checkpoints import complete_checkpoints, read_state
     from train.tracking import read_metrics
 
-    checkpoints = spread_out(complete_checkpoints(run_dir / "checkpoints"), args.curve_points)
     train = {r["step"]: r["tokens"] for r in read_metrics(run_dir, "train")}
     train[0] = 0
     evals = [{"step": r["step"], "tokens": train.get(r["step"]), "eval_tau": r["eval_tau"]}
              for r in read_metrics(run_dir, "eval") if "eval_tau" in r]
+    # the checkpoints the run also evaluated at (the two τ side by side) and the last one, where they are enough
+    complete = complete_checkpoints(run_dir / "checkpoints")
+    evaluated = {e["step"] for e in evals}
+    pool = [c for c in complete[:-1] if c[0] in evaluated] + complete[-1:]
+    checkpoints = spread_out(pool if len(pool) >= args.curve_points else complete, args.curve_points)
     points = []
     for step, folder in tqdm(checkpoints, desc=f"curve {run_dir.name}", unit="checkpoint", dynamic_ncols=True):
         state = read_state(folder)

@@ -49,7 +49,8 @@ humaneval  pass@1 of greedy replies to the first --humaneval-problems HumanEval 
            --threshold-model) with its own block size: the quality cost of the lossy mode. Interleaved a batch at a
            time.
 curve      for each --curve RUN_DIR (a train/pretrain.py objective=drafter run): τ of the drafter at up to
-           --curve-points of its checkpoints (each reassembled from its DeepSpeed shards), verify:NAME with
+           --curve-points of its checkpoints (spread evenly over those the run evaluated at and its last, where
+           they are enough; each reassembled from its DeepSpeed shards), verify:NAME with
            verify_policy="longest" (every step submits the whole draft: the drafter's own chain τ, not what the
            adaptive policy chose to spend on it) on the first --curve-prompts prompts of each category at batch 1,
            against the training tokens of that step; beside them the run's own held-out estimate (metrics.jsonl
