@@ -70,24 +70,20 @@ import argparse
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from eval import common
-from eval.decoders import Decoded, category_prompts, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
+from eval.decoders import category_prompts
 from eval.drafter_curve import checkpoint_config, measure_curve, merge_runs
 from eval.humaneval import measure_humaneval
 from eval.lossless_report import plot, render, replace_section
+from eval.lossless_speed import measure_speed
 from eval.machine import describe, linear_orders, name_of, packages
-from eval.parallel_bench import speed_batches
-from eval.vllm_peer import bench_rows
 from r2lm import R2LMForDiffusionLM
 from r2lm.drafter import target_digest
-from r2lm.generation.costs import measured_tables
 from r2lm.generation.policy import POLICIES
 from r2lm.ops.linear import Tuner, install
 from r2lm.workloads import CATEGORIES
@@ -175,143 +171,6 @@ def load_setup(args) -> Setup:
     for model in (target, plain, threshold_model, *drafters.values(), *windows.values()):
         install(model, tuner)
     return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad, tuner)
-
-
-def speed_decoders(s: Setup, block_size: int, policies: list[str], untrained: bool) -> dict:
-    """name -> (decode(ids, mask, n), batch 1 only). Every verified decoder once per policy: the first plain
-    (verify:lookup), the others suffixed (verify:lookup@longest)."""
-    decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
-                "ar_again": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
-                "transformers": (transformers_decoder(s.hf, s.eos, s.pad), False),
-                "transformers_lookup": (transformers_decoder(s.hf, s.eos, s.pad, prompt_lookup_num_tokens=block_size),
-                                        True)}
-    decoders["threshold"] = (threshold_decoder(s.threshold_model, s.eos, s.pad), False)  # lossy: not checked
-    verified = {"verify:lookup": (s.target, dict(verify_draft="lookup", block_size=block_size))}
-    if untrained:  # the target's own window: an untrained model's drafts
-        verified["verify:window"] = (s.target, dict(verify_draft="window", block_size=block_size))
-    for name, drafter in s.drafters.items():
-        for draft in ("drafter", "lookup+drafter"):
-            key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
-            verified[key] = (s.target, dict(drafter=drafter, verify_draft=draft))
-    for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
-        verified[f"verify:{name}"] = (model, dict(verify_draft="window"))
-    for i, policy in enumerate(policies):
-        for key, (model, options) in verified.items():
-            decoders[key if i == 0 else f"{key}@{policy}"] = (
-                r2lm_decoder(model, s.eos, s.pad, verify=True, verify_policy=policy, **options), False)
-    return decoders
-
-
-# ---------------------------------------------------------------------------------------------- speed
-
-
-def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: int, pad: int,
-          peers: dict | None = None) -> dict:
-    """tokens/s, τ and output checks of every decoder over the same batches, interleaved a batch at a time; `peers`:
-    vLLM's rows over the same batches (eval.vllm_peer.measure_peers), checked and counted alike."""
-    order = speed_batches(torch.arange(len(prompts))[:, None], args.speed_prompts, batch)
-    batches = [left_pad([prompts[i] for i in rows[:, 0].tolist()], pad) for rows in order]
-    runs = {name: run for name, (run, single_row) in decoders.items() if batch == 1 or not single_row}
-    n = args.new_tokens
-    for run in runs.values():  # warm-up: the tuner times its product orders on first use of each shape
-        run(*batches[0], min(n, 16))
-    times, results = {name: [[] for _ in batches] for name in runs}, {}  # name -> per batch, each pass's seconds
-    with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
-              unit="decode", dynamic_ncols=True) as progress:
-        names = list(runs)
-        for repeat in range(args.repeats):
-            outputs = {name: [] for name in runs}
-            order = names[repeat % len(names):] + names[: repeat % len(names)]
-            for index, (ids, mask) in enumerate(batches):
-                for name in order:
-                    start = time.perf_counter()
-                    outputs[name].append(runs[name](ids, mask, n))
-                    times[name][index].append(time.perf_counter() - start)
-                    progress.update(1)
-            for name in runs:
-                results.setdefault(name, outputs[name])  # the first pass's outputs
-    for name, measured in (peers or {}).items():
-        results[name] = [Decoded(m["rows"], m["tokens"], m["forwards"]) for m in measured]
-        times[name] = [[m["seconds"]] for m in measured]
-    ar = [row for d in results["ar"] for row in d.rows]
-    differing = {name: sum(a != b for a, b in zip(ar, (row for d in out for row in d.rows), strict=True))
-                 for name, out in results.items() if name not in ("ar", "threshold")}
-    entry = {"prompts": len(batches) * batch,
-             "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
-             "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
-                          if name.startswith(("verify:", "vllm_"))},
-             "seconds": {name: sum(map(min, t)) for name, t in times.items()},
-             "differing_rows": differing}
-    if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
-        out = results["threshold"]
-        entry["threshold_rows"] = {"computed": sum(d.computed_rows for d in out), "decoding": sum(d.forwards for d in out),
-                                   "all_forwards": sum(d.batch_forwards for d in out)}
-    return with_ratios(entry)
-
-
-def with_ratios(entry: dict) -> dict:
-    """An entry's derived figures from its tokens, forwards, seconds and differing rows."""
-    tps = {name: entry["tokens"][name] / max(s, 1e-9) for name, s in entry["seconds"].items()}
-    tau = {name: entry["tokens"][name] / max(f, 1) for name, f in entry["forwards"].items()}
-    vs_ar = {name: v / tps["ar"] for name, v in tps.items()}
-    out = {**entry, "tokens_per_s": tps, "vs_ar": vs_ar, "tau": tau,
-           "step_cost_vs_ar": {name: tau[name] / vs_ar[name] for name in tau},
-           "verify_is_ar": all(entry["differing_rows"][name] == 0 for name in tau),
-           "ar_is_transformers": all(v == 0 for k, v in entry["differing_rows"].items()
-                                     if k.startswith(("transformers", "vllm")))}
-    if "transformers_lookup" in tps:
-        out["vs_transformers_lookup"] = {name: v / tps["transformers_lookup"] for name, v in tps.items()}
-    return out
-
-
-def total(entries: list[dict]) -> dict:
-    """The categories of one batch size together: tokens, forwards, seconds and differing rows summed."""
-    summed = {key: {name: sum(e[key][name] for e in entries) for name in entries[0][key]}
-              for key in ("tokens", "forwards", "seconds", "differing_rows", "threshold_rows") if key in entries[0]}
-    return with_ratios({"prompts": sum(e["prompts"] for e in entries), **summed})
-
-
-def measure_speed(s: Setup, prompts: dict, args) -> dict:
-    decoders = speed_decoders(s, args.block_size, args.policies, args.untrained)
-    prompts = {c: ps[: args.speed_prompts] for c, ps in prompts.items()}  # (more were read for the curve)
-    dflash = [(name, path) for name, path in args.drafter if s.drafters[name].config.layout == "dflash"]
-    peers = bench_rows(args.target, dflash, prompts, args, s.eos) if args.vllm else {}
-    per_batch = {}
-    for batch in args.batch_sizes:
-        entries = {c: speed(c, [ids for _, ids in prompts[c]], decoders, args, batch, s.pad,
-                            {name: rows[(batch, c)] for name, rows in peers.items()}) for c in args.categories}
-        entries["all"] = total(list(entries.values()))
-        per_batch[str(batch)] = entries
-        logger.info("batch %d, all categories: %s", batch, ", ".join(
-            f"{k} {v:.2f}x AR" + (f" (tau {entries['all']['tau'][k]:.2f})" if k in entries["all"]["tau"] else "")
-            for k, v in entries["all"]["vs_ar"].items() if k != "ar"))
-    paths = dict(args.drafter)
-    drafters = {name: {"path": name_of(paths[name]) if name in paths else "freshly initialised (--untrained)",
-                       **{k: getattr(d.config, k) for k in ("block_size", "num_hidden_layers", "in_block", "sidecar",
-                                                            "draft_vocab_size", "feature_layers", "layout")}}
-                for name, d in s.drafters.items()}
-    windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
-               for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
-    return {"settings": part_settings(args, "speed"), "timing": "fastest batch", "reference": s.reference,
-            "windows": windows, "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
-            "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
-            "batches": per_batch, "costs": step_costs(s)}
-
-
-# what verified decoding's draft sources are called in the decoders' names (r2lm.generation.drafts' classes)
-SOURCES = {"LookupDrafts": "lookup", "WindowDrafts": "window", "ModelDrafts": "{}", "LookupModelDrafts": "lookup+{}"}
-
-
-def step_costs(s: Setup) -> dict:
-    """The costs verified decoding measured for the target's forwards in this run (r2lm.generation.costs), by the
-    draft source they were measured for: seconds of a verification forward by rows and width, and of drafting by
-    rows (what the adaptive policy weighs; a window model's own are left out)."""
-    drafters = {id(d): name for name, d in s.drafters.items()}
-    out = {}
-    for (kind, b, _capture, _outcomes, drafter, *_rest), table in measured_tables(s.target).items():
-        name = SOURCES[kind].format(drafters.get(drafter, "drafter"))
-        out[name if name not in out else f"{name} (draft {b})"] = table
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -491,7 +350,7 @@ def main(argv=None) -> dict:
         for part in args.parts:
             logger.info("measuring %s", part)
             if part == "speed":
-                parts["speed"] = measure_speed(s, prompts, args)
+                parts["speed"] = measure_speed(s, prompts, args, part_settings(args, "speed"))
             elif part == "humaneval":
                 parts["humaneval"] = measure_humaneval(s, args, part_settings(args, "humaneval"))
             else:

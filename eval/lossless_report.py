@@ -191,16 +191,18 @@ def plot(results: dict, path: Path) -> None:
         speed_ax.tick_params(axis="x", labelsize=7)
         speed_ax.legend(fontsize=7)
     curve = parts.get("curve") or {}
-    for run in curve.get("runs", []):
+    for index, run in enumerate(curve.get("runs", [])):
         name = Path(run["run"]).name
-        for category in curve["settings"]["categories"]:
-            curve_ax.plot([p["tokens"] for p in run["points"]], [p["tau"][category] for p in run["points"]], "o-",
-                          label=f"{name}: {category}")
-        known = [e for e in run["eval_tau"] if e["tokens"] is not None]
+        marker = "os^vD"[index % 5]  # a marker per run, a colour per category
+        for colour, category in enumerate(curve["settings"]["categories"]):
+            curve_ax.plot([p["tokens"] for p in run["points"]], [p["tau"][category] for p in run["points"]],
+                          f"{marker}-", color=f"C{colour}", label=f"{name}: {category}")
+        known = [e for e in run["eval_tau"] if e["tokens"]]  # (a log axis has no 0)
         if known:
-            curve_ax.plot([e["tokens"] for e in known], [e["eval_tau"] for e in known], "k--", lw=1,
-                          label=f"{name}: eval τ (held-out teacher text)")
-    curve_ax.set(title="drafter τ against training tokens", xlabel="training tokens", ylabel="τ")
+            curve_ax.plot([e["tokens"] for e in known], [e["eval_tau"] for e in known], f"{marker}--", color="k",
+                          lw=1, ms=3, label=f"{name}: eval τ (held-out teacher text)")
+    curve_ax.set(title="drafter τ against training tokens (whole drafts)", xlabel="training tokens (log scale)",
+                 ylabel="τ", xscale="log")
     if curve.get("runs"):
         curve_ax.legend(fontsize=7)
     else:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eval import lossless_bench
+from eval import lossless_bench, lossless_speed
 from eval.decoders import category_prompts, r2lm_decoder
+from eval.drafter_curve import merge_runs
 from eval.humaneval import completion_of, score
 from eval.lossless_report import BEGIN, END, per_doubling, render
 from r2lm import R2LMForDiffusionLM
@@ -148,10 +149,10 @@ def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
                     {"run": "text", "points": [point], "eval_tau": []}]}
     now = [{"run": "text", "data": "text.jsonl, target's distributions", "points": [{**point, "step": 50}],
             "eval_tau": [], "measured": {"commit": "c0ffee0", "machine": {**machine, "cpu": "AMD EPYC"}}}]
-    merged = lossless_bench.merge_runs(old, now, {**settings, "curve_points": 17, "threads": 1})
+    merged = merge_runs(old, now, {**settings, "curve_points": 17, "threads": 1})
     assert [r["run"] for r in merged] == ["text", "teacher"]
     assert merged[1]["measured"] == {"commit": "b40c813", "machine": machine} and merged[0] == now[0]
-    assert lossless_bench.merge_runs(old, now, {**settings, "new_tokens": 64}) == now  # another τ: not one table
+    assert merge_runs(old, now, {**settings, "new_tokens": 64}) == now  # another τ: not one table
     text = render({"target": "t", "parts": {"curve": {"settings": settings, "runs": merged,
                                                       "measured": {"commit": "c0ffee0", "machine": machine}}}})
     assert "- text: text.jsonl, target's distributions; commit c0ffee0" in text
@@ -174,7 +175,7 @@ def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
     prompts = [ids for _, ids in category_prompts("prose", 2, s.tokenizer, 600)]
     decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
                 "verify:lossy": (r2lm_decoder(s.target, s.eos, s.pad, threshold=0.01), False)}
-    e = lossless_bench.speed("prose", prompts, decoders, args, 1, s.pad)
+    e = lossless_speed.speed("prose", prompts, decoders, args, 1, s.pad)
     assert e["verify_is_ar"] is False and e["differing_rows"]["verify:lossy"] == 2
 
 

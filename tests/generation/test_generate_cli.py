@@ -221,7 +221,10 @@ def spawn(checkpoint, stdout: int) -> subprocess.Popen:
     """r2lm-generate in a process of its own, its stdout the pipe end `stdout` (one prompt: its text is streamed)."""
     argv = [sys.executable, "-m", "r2lm.cli.generate", str(checkpoint), "--prompt", PROMPTS[0]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's user has it: a suite started in the background (`cmd &` without job control) runs with
+    # SIGINT ignored, which its children inherit, and the Ctrl-C test then finds the process finishing at status 0
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_a_closed_stdout_ends_quietly_with_status_141(checkpoint):

@@ -1,0 +1,154 @@
+"""The lossless benchmark's speed part: every decoder over the same batches, interleaved a batch at a time, against AR
+decoding of the same model (eval/lossless_bench.py's docstring), and the step costs verified decoding measured."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from eval.decoders import Decoded, left_pad, r2lm_decoder, threshold_decoder, transformers_decoder
+from eval.machine import name_of
+from eval.parallel_bench import speed_batches
+from eval.vllm_peer import bench_rows
+from r2lm.generation.costs import measured_tables
+
+logger = logging.getLogger("eval.lossless_speed")
+
+
+def speed_decoders(s, block_size: int, policies: list[str], untrained: bool) -> dict:
+    """name -> (decode(ids, mask, n), batch 1 only). Every verified decoder once per policy: the first plain
+    (verify:lookup), the others suffixed (verify:lookup@longest)."""
+    decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
+                "ar_again": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
+                "transformers": (transformers_decoder(s.hf, s.eos, s.pad), False),
+                "transformers_lookup": (transformers_decoder(s.hf, s.eos, s.pad, prompt_lookup_num_tokens=block_size),
+                                        True)}
+    decoders["threshold"] = (threshold_decoder(s.threshold_model, s.eos, s.pad), False)  # lossy: not checked
+    verified = {"verify:lookup": (s.target, dict(verify_draft="lookup", block_size=block_size))}
+    if untrained:  # the target's own window: an untrained model's drafts
+        verified["verify:window"] = (s.target, dict(verify_draft="window", block_size=block_size))
+    for name, drafter in s.drafters.items():
+        for draft in ("drafter", "lookup+drafter"):
+            key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
+            verified[key] = (s.target, dict(drafter=drafter, verify_draft=draft))
+    for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
+        verified[f"verify:{name}"] = (model, dict(verify_draft="window"))
+    for i, policy in enumerate(policies):
+        for key, (model, options) in verified.items():
+            decoders[key if i == 0 else f"{key}@{policy}"] = (
+                r2lm_decoder(model, s.eos, s.pad, verify=True, verify_policy=policy, **options), False)
+    return decoders
+
+
+def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: int, pad: int,
+          peers: dict | None = None) -> dict:
+    """tokens/s, τ and output checks of every decoder over the same batches, interleaved a batch at a time; `peers`:
+    vLLM's rows over the same batches (eval.vllm_peer.measure_peers), checked and counted alike."""
+    order = speed_batches(torch.arange(len(prompts))[:, None], args.speed_prompts, batch)
+    batches = [left_pad([prompts[i] for i in rows[:, 0].tolist()], pad) for rows in order]
+    runs = {name: run for name, (run, single_row) in decoders.items() if batch == 1 or not single_row}
+    n = args.new_tokens
+    for run in runs.values():  # warm-up: the tuner times its product orders on first use of each shape
+        run(*batches[0], min(n, 16))
+    times, results = {name: [[] for _ in batches] for name in runs}, {}  # name -> per batch, each pass's seconds
+    with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
+              unit="decode", dynamic_ncols=True) as progress:
+        names = list(runs)
+        for repeat in range(args.repeats):
+            outputs = {name: [] for name in runs}
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            for index, (ids, mask) in enumerate(batches):
+                for name in order:
+                    start = time.perf_counter()
+                    outputs[name].append(runs[name](ids, mask, n))
+                    times[name][index].append(time.perf_counter() - start)
+                    progress.update(1)
+            for name in runs:
+                results.setdefault(name, outputs[name])  # the first pass's outputs
+    for name, measured in (peers or {}).items():
+        results[name] = [Decoded(m["rows"], m["tokens"], m["forwards"]) for m in measured]
+        times[name] = [[m["seconds"]] for m in measured]
+    ar = [row for d in results["ar"] for row in d.rows]
+    differing = {name: sum(a != b for a, b in zip(ar, (row for d in out for row in d.rows), strict=True))
+                 for name, out in results.items() if name not in ("ar", "threshold")}
+    entry = {"prompts": len(batches) * batch,
+             "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
+             "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
+                          if name.startswith(("verify:", "vllm_"))},
+             "seconds": {name: sum(map(min, t)) for name, t in times.items()},
+             "differing_rows": differing}
+    if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
+        out = results["threshold"]
+        entry["threshold_rows"] = {"computed": sum(d.computed_rows for d in out), "decoding": sum(d.forwards for d in out),
+                                   "all_forwards": sum(d.batch_forwards for d in out)}
+    return with_ratios(entry)
+
+
+def with_ratios(entry: dict) -> dict:
+    """An entry's derived figures from its tokens, forwards, seconds and differing rows."""
+    tps = {name: entry["tokens"][name] / max(s, 1e-9) for name, s in entry["seconds"].items()}
+    tau = {name: entry["tokens"][name] / max(f, 1) for name, f in entry["forwards"].items()}
+    vs_ar = {name: v / tps["ar"] for name, v in tps.items()}
+    out = {**entry, "tokens_per_s": tps, "vs_ar": vs_ar, "tau": tau,
+           "step_cost_vs_ar": {name: tau[name] / vs_ar[name] for name in tau},
+           "verify_is_ar": all(entry["differing_rows"][name] == 0 for name in tau),
+           "ar_is_transformers": all(v == 0 for k, v in entry["differing_rows"].items()
+                                     if k.startswith(("transformers", "vllm")))}
+    if "transformers_lookup" in tps:
+        out["vs_transformers_lookup"] = {name: v / tps["transformers_lookup"] for name, v in tps.items()}
+    return out
+
+
+def total(entries: list[dict]) -> dict:
+    """The categories of one batch size together: tokens, forwards, seconds and differing rows summed."""
+    summed = {key: {name: sum(e[key][name] for e in entries) for name in entries[0][key]}
+              for key in ("tokens", "forwards", "seconds", "differing_rows", "threshold_rows") if key in entries[0]}
+    return with_ratios({"prompts": sum(e["prompts"] for e in entries), **summed})
+
+
+def measure_speed(s, prompts: dict, args, settings: dict) -> dict:
+    """tokens/s, τ and output checks of every decoder per category and batch size (eval/lossless_bench.py's
+    docstring); `s`: the benchmark's Setup."""
+    decoders = speed_decoders(s, args.block_size, args.policies, args.untrained)
+    prompts = {c: ps[: args.speed_prompts] for c, ps in prompts.items()}  # (more were read for the curve)
+    dflash = [(name, path) for name, path in args.drafter if s.drafters[name].config.layout == "dflash"]
+    peers = bench_rows(args.target, dflash, prompts, args, s.eos) if args.vllm else {}
+    per_batch = {}
+    for batch in args.batch_sizes:
+        entries = {c: speed(c, [ids for _, ids in prompts[c]], decoders, args, batch, s.pad,
+                            {name: rows[(batch, c)] for name, rows in peers.items()}) for c in args.categories}
+        entries["all"] = total(list(entries.values()))
+        per_batch[str(batch)] = entries
+        logger.info("batch %d, all categories: %s", batch, ", ".join(
+            f"{k} {v:.2f}x AR" + (f" (tau {entries['all']['tau'][k]:.2f})" if k in entries["all"]["tau"] else "")
+            for k, v in entries["all"]["vs_ar"].items() if k != "ar"))
+    paths = dict(args.drafter)
+    drafters = {name: {"path": name_of(paths[name]) if name in paths else "freshly initialised (--untrained)",
+                       **{k: getattr(d.config, k) for k in ("block_size", "num_hidden_layers", "in_block", "sidecar",
+                                                            "draft_vocab_size", "feature_layers", "layout")}}
+                for name, d in s.drafters.items()}
+    windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
+               for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
+    return {"settings": settings, "timing": "fastest batch", "reference": s.reference,
+            "windows": windows, "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
+            "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
+            "batches": per_batch, "costs": step_costs(s)}
+
+
+# what verified decoding's draft sources are called in the decoders' names (r2lm.generation.drafts' classes)
+SOURCES = {"LookupDrafts": "lookup", "WindowDrafts": "window", "ModelDrafts": "{}", "LookupModelDrafts": "lookup+{}"}
+
+
+def step_costs(s) -> dict:
+    """The costs verified decoding measured for the target's forwards in this run (r2lm.generation.costs), by the
+    draft source they were measured for: seconds of a verification forward by rows and width, and of drafting by
+    rows (what the adaptive policy weighs; a window model's own are left out)."""
+    drafters = {id(d): name for name, d in s.drafters.items()}
+    out = {}
+    for (kind, b, _capture, _outcomes, drafter, *_rest), table in measured_tables(s.target).items():
+        name = SOURCES[kind].format(drafters.get(drafter, "drafter"))
+        out[name if name not in out else f"{name} (draft {b})"] = table
+    return out
