@@ -148,6 +148,8 @@ def step_costs(s) -> dict:
     rows (what the adaptive policy weighs; a window model's own are left out)."""
     drafters = {id(d): name for name, d in s.drafters.items()}
     out = {}
+    # keys: r2lm.generation.drafts' Drafts.key (its class, draft length, captured layers, outcomes, drafter), then
+    # what kept_costs adds (threads, dtype, device)
     for (kind, b, _capture, _outcomes, drafter, *_rest), table in measured_tables(s.target).items():
         name = SOURCES[kind].format(drafters.get(drafter, "drafter"))
         out[name if name not in out else f"{name} (draft {b})"] = table
