@@ -93,7 +93,8 @@ def training_data(run_dir: Path) -> str:
 
     path = run_dir / "config.yaml"
     config = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    data = (config.get("data") or {}).get("train") or (config.get("data") or {}).get("hub_config") or "?"
+    data = config.get("data") or {}
+    data = data.get("train") or data.get("hub_config") or "?"
     labels = "target's distributions" if (config.get("drafter") or {}).get("distill") else "text tokens"
     return f"{Path(str(data)).name}, {labels}"
 
