@@ -414,9 +414,9 @@ class Drafter(PreTrainedModel):
     # ------------------------------------------------------------------ training
 
     def forward(self, captured, ids, valid, reply, blocks: int, generator=None, decay: float = 0.8,
-                feature_weight: float = 0.0, distill: bool = False) -> DraftLoss:
+                feature_weight: float = 0.0, distill: bool = False, replay: float = 0.0) -> DraftLoss:
         """The drafting loss (`loss`): what a DeepSpeed engine around the drafter calls."""
-        return self.loss(captured, ids, valid, reply, blocks, generator, decay, feature_weight, distill)
+        return self.loss(captured, ids, valid, reply, blocks, generator, decay, feature_weight, distill, replay)
 
     def draft_index(self) -> torch.Tensor:
         """[target vocabulary]: each target token's row in the draft vocabulary, -1 for the tokens outside it."""
@@ -425,10 +425,10 @@ class Drafter(PreTrainedModel):
 
     def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
              generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
-             distill: bool = False) -> DraftLoss:
+             distill: bool = False, replay: float = 0.0) -> DraftLoss:
         """The drafting loss of a batch of text (DFlash's recipe): r2lm.drafter_loss.drafting_loss says what it is."""
         return drafting_loss(self, self._bound(), captured, ids, valid, reply, blocks, generator, decay, feature_weight,
-                             distill)
+                             distill, replay)
 
 
 @dataclass

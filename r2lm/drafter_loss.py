@@ -31,7 +31,7 @@ class DraftLoss(Loss):
 
 def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
                   generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
-                  distill: bool = False) -> DraftLoss:
+                  distill: bool = False, replay: float = 0.0) -> DraftLoss:
     """The drafting loss of a batch of text for `drafter` (an r2lm.drafter.Drafter) reading `bound` (its target's
     embeddings and LM head rows, r2lm.drafter.Bound).
 
@@ -55,7 +55,15 @@ def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tens
 
     `tau` (logged) is what verification would commit per forward were these blocks verified: the leading
     columns whose guess is the target's greedy token (the text's, without `distill`; with it, in training, the
-    target's likeliest token of the draft vocabulary) and the target's own next token."""
+    target's likeliest token of the draft vocabulary) and the target's own next token.
+
+    With `replay` > 0, Draft-OPD's replay of the drafter's own errors (docs/notes/drafting.md): decoding opens a
+    block where verification refused the last one, so the states that limit acceptance are the positions just
+    after a wrong guess, which uniform anchors visit only as often as any other. A first pass (no gradient) drafts
+    at the random anchors and verifies each block as above; then that share of each row's blocks opens where
+    decoding would open the next one (a + the tokens the block commits: its right leading guesses and the target's
+    own token), the rest at the random anchors as before. `tau` and `first_right` are then the first pass's (the
+    random anchors': comparable with a run without replay)."""
     config = drafter.config
     b, (batch, length) = config.block_size, ids.shape
     device = ids.device
@@ -66,68 +74,117 @@ def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tens
     if distill and top is None:
         raise ValueError(f"distillation reads the target's logits from its last layer ({top_layer}): add it to "
                          "feature_layers")
-    allowed = torch.zeros_like(reply)
-    allowed[:, :-1] = reply[:, 1:]  # the block's first guess is a reply token
-    score = torch.rand(batch, length, generator=generator, device=device).masked_fill(~allowed, -1.0)
     count = min(blocks, length)
-    best = score.topk(count, dim=1)
-    anchors, used = best.indices, best.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
     context = drafter.new_context(batch, length + count * b)
     c = drafter.append(context, captured, valid)
     offsets = torch.arange(b, device=device)
-    held, layout = anchored_blocks(valid, anchors, b)  # the text the cache holds, and the blocks read over it
-    at = layout.positions  # [B, n * b]: each block column's position
-    inside = at.clamp(max=length - 1)
-    first = (offsets == 0).expand(batch, count, b).flatten(1)
-    dtype = bound.rows.dtype
-    inputs = torch.where(first[..., None], bound.embed(ids.gather(1, inside)).detach().to(dtype),
-                         drafter.mask_embedding.to(dtype))  # the target's embeddings: frozen
-    if drafter.direct is not None:
-        before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
-        last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
-        inputs = inputs + drafter.direct(last)
-    plan = plan_of(drafter.stack, drafter.rotary_emb, layout, context.kv, like=bound.rows, context=held)
-    h = drafter.hidden(inputs, plan, context.kv, norm=False)
-    logits = drafter.logits(drafter.norm(h)).float()  # [B, n * b, draft vocab]
     skip = b - config.draft_length  # leading columns that guess nothing (DFlash's opener column)
-    target_at = at + 1 - skip  # the token each column guesses
-    source = (target_at - 1).clamp(0, length - 1)  # the position whose next token that is
-    scored = (target_at < lengths[:, None]) & reply.gather(1, target_at.clamp(max=length - 1))
-    scored &= used.repeat_interleave(b, 1) & (offsets >= skip).repeat(count)[None, :]
     index = drafter.draft_index()
-    if distill:  # the target's own next token after x_{a+j}, and its distribution over the draft vocabulary
-        state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1]))
-        rows = bound.logits(state, bound.rows)
-        soft = rows.softmax(-1)
-        ce = -(soft * logits.log_softmax(-1)).sum(-1)
-        # its greedy token: over the whole vocabulary when evaluating; in training (where the whole LM head would
-        # cost six times the draft vocabulary's) its likeliest draft-vocabulary token, almost always the same
-        greedy = (bound.logits(state, bound.head).argmax(-1) if not torch.is_grad_enabled()
-                  else drafter.draft_ids[rows.argmax(-1)])
+    evaluating = not torch.is_grad_enabled()  # (replay's first pass runs without gradients in training too)
+
+    def read(score: torch.Tensor):
+        """The blocks at each row's `count` best-scored positions (score < 0: never an anchor), read and judged."""
+        best = score.topk(count, dim=1)
+        anchors, used = best.indices, best.values >= 0  # [B, n]; rows with fewer allowed positions use fewer
+        held, layout = anchored_blocks(valid, anchors, b)  # the text the cache holds, and the blocks read over it
+        at = layout.positions  # [B, n * b]: each block column's position
+        inside = at.clamp(max=length - 1)
+        first = (offsets == 0).expand(batch, count, b).flatten(1)
+        dtype = bound.rows.dtype
+        inputs = torch.where(first[..., None], bound.embed(ids.gather(1, inside)).detach().to(dtype),
+                             drafter.mask_embedding.to(dtype))  # the target's embeddings: frozen
+        if drafter.direct is not None:
+            before = (anchors - 1).repeat_interleave(b, 1)  # the last context token of each block (none at anchor 0)
+            last = c.gather(1, before.clamp(min=0)[..., None].expand(-1, -1, c.shape[-1])) * (before >= 0)[..., None]
+            inputs = inputs + drafter.direct(last)
+        plan = plan_of(drafter.stack, drafter.rotary_emb, layout, context.kv, like=bound.rows, context=held)
+        h = drafter.hidden(inputs, plan, context.kv, norm=False)
+        logits = drafter.logits(drafter.norm(h)).float()  # [B, n * b, draft vocab]
+        target_at = at + 1 - skip  # the token each column guesses
+        source = (target_at - 1).clamp(0, length - 1)  # the position whose next token that is
+        scored = (target_at < lengths[:, None]) & reply.gather(1, target_at.clamp(max=length - 1))
+        scored &= used.repeat_interleave(b, 1) & (offsets >= skip).repeat(count)[None, :]
+        soft = None
+        if distill:  # the target's own next token after x_{a+j}, and its distribution over the draft vocabulary
+            state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1]))
+            rows = bound.logits(state, bound.rows)
+            soft = rows.softmax(-1)
+            # its greedy token: over the whole vocabulary when evaluating; in training (where the whole LM head
+            # would cost six times the draft vocabulary's) its likeliest draft-vocabulary token, almost always the same
+            greedy = (bound.logits(state, bound.head).argmax(-1) if evaluating
+                      else drafter.draft_ids[rows.argmax(-1)])
+        else:
+            greedy = ids.gather(1, target_at.clamp(max=length - 1))
+            scored &= index[greedy] >= 0
+        right = (logits.argmax(-1) == index[greedy]) & scored
+        # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
+        # (a block whose text ends early counts the guesses it has)
+        leading = right.view(batch, count, b)[..., skip:].long().cumprod(-1).sum(-1)
+        blocks_used = used.sum().clamp(min=1)
+        tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
+        first_right = (right.view(batch, count, b)[..., skip] & used).sum().float() / blocks_used
+        return Blocks(anchors, used, h, logits, target_at, source, scored, soft, greedy, leading, tau, first_right)
+
+    allowed = torch.zeros_like(reply)
+    allowed[:, :-1] = reply[:, 1:]  # the block's first guess is a reply token
+    score = torch.rand(batch, length, generator=generator, device=device).masked_fill(~allowed, -1.0)
+    measured = None
+    if replay > 0:
+        with torch.no_grad():
+            measured = read(score)
+        score = replayed(score, measured, allowed, b, round(replay * count))
+    out = read(score)
+    measured = out if measured is None else measured
+    if distill:
+        ce = -(out.soft * out.logits.log_softmax(-1)).sum(-1)
     else:
-        greedy = ids.gather(1, target_at.clamp(max=length - 1))
-        targets = index[greedy]
-        scored &= targets >= 0
-        ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none").view(batch, -1)
-    weight = (decay ** (offsets - skip).clamp(min=0).float()).repeat(count)[None, :] * scored
-    right = (logits.argmax(-1) == index[greedy]) & scored
-    # what verification would commit per forward: the right leading guesses and AR's own next token, at most b
-    # (a block whose text ends early counts the guesses it has)
-    leading = right.view(batch, count, b)[..., skip:].long().cumprod(-1).sum(-1)
-    blocks_used = used.sum().clamp(min=1)
-    tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
-    scored_count = int(scored.sum())
+        ce = F.cross_entropy(out.logits.flatten(0, 1), index[out.greedy].clamp(min=0).flatten(),
+                             reduction="none").view(batch, -1)
+    weight = (decay ** (offsets - skip).clamp(min=0).float()).repeat(count)[None, :] * out.scored
+    scored_count = int(out.scored.sum())
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if feature_weight > 0 and top is not None:
-        state = top.gather(1, source[..., None].expand(-1, -1, top.shape[-1])).float()
-        error = (_unit(h.float()) - _unit(state)).pow(2).mean(-1)
+        state = top.gather(1, out.source[..., None].expand(-1, -1, top.shape[-1])).float()
+        error = (_unit(out.h.float()) - _unit(state)).pow(2).mean(-1)
         loss = loss + feature_weight * (error * weight).sum() / weight.sum().clamp(min=1e-6)
-    first_right = (right.view(batch, count, b)[..., skip] & used).sum().float() / blocks_used
-    metrics = dict(tau=tau.detach(), first_right=first_right)
+    metrics = dict(tau=measured.tau.detach(), first_right=measured.first_right)
     if distill:  # how often the text's next token is the target's own (1 on the target's own replies)
-        text = ids.gather(1, target_at.clamp(max=length - 1))
-        metrics["text_agreement"] = ((text == greedy) & scored).sum().float() / scored.sum().clamp(min=1)
+        text = ids.gather(1, out.target_at.clamp(max=length - 1))
+        metrics["text_agreement"] = ((text == out.greedy) & out.scored).sum().float() / out.scored.sum().clamp(min=1)
     return DraftLoss(loss=loss, tokens=scored_count, masked=scored_count, **metrics)
+
+
+@dataclass
+class Blocks:
+    """Blocks read at a set of anchors, and judged as verification would judge them."""
+
+    anchors: torch.Tensor  # [B, n] each block's anchor a (its opener x_a)
+    used: torch.Tensor  # [B, n] whether the block is one (a row with fewer allowed positions has fewer)
+    h: torch.Tensor  # [B, n * b, hidden] the block columns' last hidden states (before the final norm)
+    logits: torch.Tensor  # [B, n * b, draft vocabulary]
+    target_at: torch.Tensor  # [B, n * b] the position of the token each column guesses
+    source: torch.Tensor  # [B, n * b] the position whose next token that is
+    scored: torch.Tensor  # [B, n * b] the columns the loss scores
+    soft: torch.Tensor | None  # distillation: the target's distribution over the draft vocabulary at each column
+    greedy: torch.Tensor  # [B, n * b] the target's greedy token each column is judged against
+    leading: torch.Tensor  # [B, n] each block's right leading guesses
+    tau: torch.Tensor  # tokens a verification of these blocks would commit, on average
+    first_right: torch.Tensor  # share of blocks whose first guess is right
+
+
+def replayed(score: torch.Tensor, measured: Blocks, allowed: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """`score` with up to k positions per row raised above every random one: where decoding would open the block
+    after each measured one (its anchor + the tokens it commits, at most b), those that may open a block, in the
+    measured blocks' (random) order."""
+    length = score.shape[1]
+    after = measured.anchors + (measured.leading + 1).clamp(max=b)
+    fits = measured.used & (after < length)
+    fits &= allowed.gather(1, after.clamp(max=length - 1))
+    take = fits & (fits.long().cumsum(1) <= k)
+    raised = score.clone()
+    rows = torch.arange(score.shape[0], device=score.device)[:, None].expand_as(after)
+    raised[rows[take], after[take]] = 1.0 + score[rows[take], after[take]]  # above [0, 1): chosen first
+    return raised
 
 
 def _unit(h: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,10 @@ class DrafterSection:
     blocks: int = opt(16, "objective drafter: blocks drawn per training sequence (random anchors in its reply)")
     decay: float = opt(0.8, "objective drafter: loss weight of block column j is decay**j (an early token gates the "
                        "acceptance of every later one)")
+    replay: float = opt(0.0, "objective drafter: share of each sequence's blocks that open where decoding would open "
+                        "the next block after one drafted at a random anchor (right after the drafter's first wrong "
+                        "guess: Draft-OPD's replay of its own errors, for a curve that has flattened); costs a forward "
+                        "of the drafter without gradients per step")
     feature_weight: float = opt(1.0, "objective drafter: weight of the regression of each block column's last hidden "
                                 "state onto the target's own (EAGLE's dense supervision; needs the target's last layer "
                                 "among feature_layers); 0 = cross-entropy alone")
@@ -409,6 +413,8 @@ def check_drafter(cfg: TrainConfig) -> None:
             raise ValueError(f"config key drafter.{key} must be positive, got {getattr(section, key)}")
     if section.feature_weight < 0:
         raise ValueError(f"config key drafter.feature_weight must be >= 0, got {section.feature_weight}")
+    if not 0 <= section.replay <= 1:
+        raise ValueError(f"config key drafter.replay is a share of the blocks, in [0, 1]: got {section.replay}")
     if section.draft_vocab_size < 0 or not 0 < section.decay <= 1:
         raise ValueError(f"config keys drafter.draft_vocab_size must be >= 0 and drafter.decay in (0, 1], got "
                          f"{section.draft_vocab_size} and {section.decay}")

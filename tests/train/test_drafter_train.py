@@ -100,8 +100,19 @@ def test_bf16_training_runs_beside_a_float32_target(inputs, tmp_path):
     assert all(r["loss"] == r["loss"] for r in read_metrics(result.run_dir, "train"))  # finite
 
 
+def test_replay_of_the_drafters_errors_trains(inputs, tmp_path):
+    """drafter.replay through the training program: a run with half its blocks replayed trains (finite losses) and
+    evaluates on random anchors alone (r2lm.drafter_loss, `replay`; tests/generation/test_drafter_replay.py)."""
+    result = run_inprocess(drafter_overrides(inputs, tmp_path / "replay", "drafter.replay=0.5", "steps=2",
+                                             "save_every=2", "eval_every=2"))
+    rows = read_metrics(result.run_dir, "train")
+    assert len(rows) == 2 and all(r["loss"] == r["loss"] and 1 <= r["tau"] for r in rows)
+    assert [r["step"] for r in read_metrics(result.run_dir, "eval")] == [0, 2]
+
+
 @pytest.mark.parametrize("extra, message", [(["lora.enabled=true"], "lora, freeze_backbone and complementary"),
                                             (["drafter.blocks=0"], "drafter.blocks must be positive"),
+                                            (["drafter.replay=1.5"], "drafter.replay is a share of the blocks"),
                                             (["drafter.feature_layers=[9]"], "feature_layers must be target layer"),
                                             (["objective=block", "drafter.layers=2"], "drafter.* keys set the drafter")])
 def test_bad_drafter_settings_are_refused(inputs, tmp_path, extra, message):
