@@ -30,7 +30,8 @@ window) drafts inside a wider forward: it is paid for by that forward's extra co
 than AR steps would.
 
 A source the estimates rule out is still tried now and then (a probe), or its estimate could never recover: every
-n-th step, n chosen so that probing costs at most PROBE_BUDGET of an AR step's time.
+n-th step, n chosen so that probing costs at most PROBE_BUDGET of an AR step's time, the steps counted across calls
+(with the estimates), so that calls shorter than n steps probe too.
 
 What is committed never depends on these choices: every verification commits the target's own greedy tokens
 (r2lm.generation.verify). `verify_policy="longest"` always submits the whole draft (the behaviour before this
@@ -154,6 +155,9 @@ class Acceptance:
         self.pooled = np.array(PRIOR)  # (accepted, tried)
         self.accepted = np.zeros((BUCKETS, POSITIONS))
         self.tried = np.zeros((BUCKETS, POSITIONS))
+        # steps since a costly source last drafted, counted across calls like the estimates: calls shorter than
+        # the probe interval still probe it now and then
+        self.idle = 0
 
     @staticmethod
     def cell(confidence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +202,6 @@ class Adaptive(Policy):
         self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
         self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
         self.learnt, self.verdicts = 0, {}  # observations that changed an estimate; `pays` answers since the last
-        self.idle = dict.fromkeys(sources, 0)  # steps since a costly source was last used
 
     # --------------------------------------------------------------------------------------------- estimates
 
@@ -275,7 +278,7 @@ class Adaptive(Policy):
         PROBE_BUDGET of the AR time in between."""
         price = self.price(rows)
         extra = max(price.verify[-1] + price.draft - price.ar, 0.0)
-        return self.idle[source] >= math.ceil(extra / (PROBE_BUDGET * price.ar))
+        return self.estimates[source].idle >= math.ceil(extra / (PROBE_BUDGET * price.ar))
 
     # --------------------------------------------------------------------------------------------- decisions
 
@@ -301,7 +304,8 @@ class Adaptive(Policy):
             use = self.verdicts[key] or self.probe_due(source, rows)
         else:
             use = self.pays(source, index, free, rows) or self.probe_due(source, rows)
-        self.idle[source] = 0 if use else self.idle[source] + 1
+        estimate = self.estimates[source]
+        estimate.idle = 0 if use else estimate.idle + 1
         return use
 
     def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> bool:

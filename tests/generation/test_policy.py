@@ -149,6 +149,38 @@ def test_expensive_drafting_makes_every_step_an_ar_step(converted):
         assert widths == [1] * 24 and out.nfe == 24, (options["verify_draft"], widths)
 
 
+def test_a_ruled_out_drafter_is_probed_across_short_calls(converted):
+    """A drafter the estimates rule out is still tried every n-th step (n: PROBE_BUDGET of the AR time pays for a
+    probe), the steps counted across calls like the estimates: calls shorter than n probe it too (before, each
+    call counted from 0, so a drafter ruled out in calls of fewer than n steps was never tried again)."""
+    _, target, drafter = converted
+
+    class Counted(Adaptive):
+        asked = 0
+
+        def worth(self, source, free, rows):
+            Counted.asked += 1
+            return super().worth(source, free, rows)
+
+    class Counting(Drafter):
+        drafts = 0
+
+        def draft(self, context, openers, confidence=False):
+            Counting.drafts += 1
+            return super().draft(context, openers, confidence)
+
+    counting = Counting(drafter.config).eval()
+    counting.load_state_dict(drafter.state_dict())
+    # a forward of width 4 costs 2.5 AR steps and drafting 0.5: at an even chance of acceptance (the prior) the
+    # drafter does not pay, and a probe costs 2 AR steps more than an AR step: one every ceil(2 / 0.02) + 1 = 101
+    costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.5 * (width - 1), draft=lambda rows: 0.5)
+    ids = left_padded(batch=1)[0]
+    for _ in range(30):
+        generate(target, ids, max_new_tokens=10, verify=True, drafter=counting, verify_draft="drafter", block_size=4,
+                 verify_policy=Counted(costs), eos_token_id=[])
+    assert Counted.asked >= 250 and Counting.drafts == Counted.asked // 101 >= 2
+
+
 def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
     """The oracle drafter under a scripted cost where width is nearly free: after the first forward (which appends
     the prompt and has no draft yet) every forward verifies the whole block and accepts all of it, the last one only
