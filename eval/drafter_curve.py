@@ -82,21 +82,39 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
             tau[category] = sum(o.tokens for o in outs) / max(sum(o.forwards for o in outs), 1)
         points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau})
         logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
-    return {"run": name_of(run_dir), "data": training_data(run_dir), "block_size":
+    return {"run": name_of(run_dir), "data": training_data(run_dir), "recipe": recipe(run_dir), "block_size":
             drafter.config.block_size if checkpoints else None, "points": points, "eval_tau": evals}
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config (its config.yaml; {} where it has none)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
 def training_data(run_dir: Path) -> str:
     """What a run trained on, as its config.yaml names it: the training file (by name) and the labels (the target's
     distributions, or the text's own tokens)."""
-    import yaml
-
-    path = run_dir / "config.yaml"
-    config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    config = run_config(run_dir)
     data = config.get("data") or {}
     data = data.get("train") or data.get("hub_config") or "?"
     labels = "target's distributions" if (config.get("drafter") or {}).get("distill") else "text tokens"
     return f"{Path(str(data)).name}, {labels}"
+
+
+def recipe(run_dir: Path) -> str:
+    """How a run trained, where runs on the same data differ: the drafter's layers, its layout where it is not
+    r2lm's, and the share of blocks replayed from its errors (drafter.replay)."""
+    section = run_config(run_dir).get("drafter") or {}
+    layers = section.get("layers", 1)
+    parts = [f"{layers} drafter layer{'s' * (layers != 1)}"]
+    if section.get("layout", "r2lm") != "r2lm":
+        parts.append(f"layout {section['layout']}")
+    if section.get("replay"):
+        parts.append(f"replay {section['replay']}")
+    return ", ".join(parts)
 
 
 # settings two curve parts must share for their runs to sit in one table (checkpoints and threads change no τ)

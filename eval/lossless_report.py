@@ -120,7 +120,8 @@ def render(results: dict) -> str:
         for run in c["runs"]:
             m = run.get("measured", c["measured"])
             trend = per_doubling(run["points"], c["settings"]["categories"])
-            lines.append(f"- {Path(run['run']).name}: {run.get('data', 'data not recorded')}; commit {m['commit']}, "
+            lines.append(f"- {Path(run['run']).name}: {run.get('data', 'data not recorded')}; "
+                         f"{run.get('recipe', 'drafter not recorded')}; commit {m['commit']}, "
                          f"{label(m.get('machine'))}" + ("" if trend is None else
                          f"; over its later checkpoints ({trend[1]:,} to {trend[2]:,} tokens) each doubling of its "
                          f"training tokens added {trend[0]:+.3f} to τ (the categories' mean)"))

@@ -109,6 +109,7 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert [e["step"] for e in curve["eval_tau"]] == [0, 3, 6] and curve["eval_tau"][0]["tokens"] == 0
     assert all(set(p["tau"]) == {"code", "chat", "prose"} for p in curve["points"])
     assert curve["data"] == "train.jsonl, text tokens" and curve["measured"]["commit"] == data["commit"]
+    assert curve["recipe"] == "1 drafter layer"
     for part in data["parts"].values():
         assert part["measured"]["machine"] == data["machine"] and "linear_orders" in part["measured"]
     assert (root / "out" / "lossless.png").stat().st_size > 10_000
@@ -147,16 +148,16 @@ def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
     old = {"settings": settings, "measured": {"commit": "b40c813", "machine": machine, "linear_orders": {}},
            "runs": [{"run": "teacher", "points": [point], "eval_tau": []},
                     {"run": "text", "points": [point], "eval_tau": []}]}
-    now = [{"run": "text", "data": "text.jsonl, target's distributions", "points": [{**point, "step": 50}],
-            "eval_tau": [], "measured": {"commit": "c0ffee0", "machine": {**machine, "cpu": "AMD EPYC"}}}]
+    now = [{"run": "text", "data": "text.jsonl, target's distributions", "recipe": "3 drafter layers, replay 0.5",
+            "points": [{**point, "step": 50}], "eval_tau": [], "measured": {"commit": "c0ffee0", "machine": {**machine, "cpu": "AMD EPYC"}}}]
     merged = merge_runs(old, now, {**settings, "curve_points": 17, "threads": 1})
     assert [r["run"] for r in merged] == ["text", "teacher"]
     assert merged[1]["measured"] == {"commit": "b40c813", "machine": machine} and merged[0] == now[0]
     assert merge_runs(old, now, {**settings, "new_tokens": 64}) == now  # another τ: not one table
     text = render({"target": "t", "parts": {"curve": {"settings": settings, "runs": merged,
                                                       "measured": {"commit": "c0ffee0", "machine": machine}}}})
-    assert "- text: text.jsonl, target's distributions; commit c0ffee0" in text
-    assert "- teacher: data not recorded; commit b40c813, Intel" in text
+    assert "- text: text.jsonl, target's distributions; 3 drafter layers, replay 0.5; commit c0ffee0" in text
+    assert "- teacher: data not recorded; drafter not recorded; commit b40c813, Intel" in text
     assert "| teacher | 100 | 409,600 | 1.05 | - |" in text and "| text | 50 |" in text
     # what more data buys: τ per doubling of tokens over a run's later checkpoints (here τ = 1 + 0.1 log2(tokens / 1M))
     points = [{"step": i, "tokens": 2 ** i * 1_000_000, "tau": {"code": 1 + 0.1 * i, "chat": 1 + 0.1 * i}}
