@@ -43,6 +43,9 @@ def checkpoint_drafter(folder: Path):
     return drafter.eval()
 
 
+TRAIN_WINDOW = 50  # steps of logged training τ averaged beside each checkpoint's τ
+
+
 def spread_out(items: list, count: int) -> list:
     """At most `count` of `items`, evenly spaced, the last always among them."""
     if len(items) <= count:
@@ -57,8 +60,10 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
     from r2lm.checkpoints import complete_checkpoints, read_state
     from train.tracking import read_metrics
 
-    train = {r["step"]: r["tokens"] for r in read_metrics(run_dir, "train")}
+    logged = read_metrics(run_dir, "train")
+    train = {r["step"]: r["tokens"] for r in logged}
     train[0] = 0
+    batch_tau = {r["step"]: r["tau"] for r in logged if "tau" in r}
     evals = [{"step": r["step"], "tokens": train.get(r["step"]), "eval_tau": r["eval_tau"]}
              for r in read_metrics(run_dir, "eval") if "eval_tau" in r]
     # the checkpoints the run also evaluated at (the two τ side by side) and the last one, where they are enough
@@ -80,7 +85,11 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
         for category in args.categories:
             outs = [run(*left_pad([ids], s.pad), args.new_tokens) for _, ids in prompts[category][: args.curve_prompts]]
             tau[category] = sum(o.tokens for o in outs) / max(sum(o.forwards for o in outs), 1)
-        points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau})
+        # τ of the training batches themselves over the last TRAIN_WINDOW steps (logged): runs of one data file and
+        # seed drew the same batches, so their difference is paired (replay logs its random anchors' τ)
+        window = [batch_tau[k] for k in range(step - TRAIN_WINDOW + 1, step + 1) if k in batch_tau]
+        points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau,
+                       "train_tau": sum(window) / len(window) if window else None})
         logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
     return {"run": name_of(run_dir), "data": training_data(run_dir), "recipe": recipe(run_dir), "block_size":
             drafter.config.block_size if checkpoints else None, "points": points, "eval_tau": evals}

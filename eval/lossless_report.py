@@ -125,15 +125,18 @@ def render(results: dict) -> str:
                          f"{label(m.get('machine'))}" + ("" if trend is None else
                          f"; over its later checkpoints ({trend[1]:,} to {trend[2]:,} tokens) each doubling of its "
                          f"training tokens added {trend[0]:+.3f} to τ (the categories' mean)"))
-        lines += ["", "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
-                  " | eval τ |", "|---|---|---|" + "---|" * (len(c["settings"]["categories"]) + 1)]
+        lines += ["", "*train τ*: the τ the run logged on its own training batches over the 50 steps up to the "
+                  "checkpoint; runs of one data file and seed drew the same batches, so theirs compare pair by pair.",
+                  "", "| run | step | training tokens | " + " | ".join(f"τ {k}" for k in c["settings"]["categories"]) +
+                  " | eval τ | train τ |", "|---|---|---|" + "---|" * (len(c["settings"]["categories"]) + 2)]
         for run in c["runs"]:
             evals = {e["step"]: e["eval_tau"] for e in run["eval_tau"]}
             for pt in run["points"]:
-                ev = evals.get(pt["step"])
+                ev, batches = evals.get(pt["step"]), pt.get("train_tau")
                 lines.append(f"| {Path(run['run']).name} | {pt['step']} | {pt['tokens']:,} | " +
                              " | ".join(f"{pt['tau'][k]:.2f}" for k in c["settings"]["categories"]) +
-                             f" | {'-' if ev is None else f'{ev:.2f}'} |")
+                             f" | {'-' if ev is None else f'{ev:.2f}'} | "
+                             f"{'-' if batches is None else f'{batches:.3f}'} |")
     lines += ["", "![lossless decoding](results/lossless.png)"]
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.workloads import humaneval_problems, is_heldout
 from tests.helpers.models import sharp_hf, tiny_tokenizer
 from tests.helpers.training import drafter_overrides, run_inprocess, teacher_records
+from train.tracking import read_metrics
 
 # the tiny tokenizer has no chat template: chat prompts go through this one (ChatML with its own specials)
 CHAT = ("{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
@@ -108,6 +109,9 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert 0 < curve["points"][0]["tokens"] < curve["points"][1]["tokens"]
     assert [e["step"] for e in curve["eval_tau"]] == [0, 3, 6] and curve["eval_tau"][0]["tokens"] == 0
     assert all(set(p["tau"]) == {"code", "chat", "prose"} for p in curve["points"])
+    logged = {r["step"]: r["tau"] for r in read_metrics(run, "train")}  # each point beside its run's batches' τ
+    assert [p["train_tau"] for p in curve["points"]] == pytest.approx([sum(logged[k] for k in range(1, 4)) / 3,
+                                                                       sum(logged[k] for k in range(1, 7)) / 6])
     assert curve["data"] == "train.jsonl, text tokens" and curve["measured"]["commit"] == data["commit"]
     assert curve["recipe"] == "1 drafter layer"
     for part in data["parts"].values():
