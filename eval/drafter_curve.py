@@ -91,7 +91,8 @@ def measure_curve(s, prompts: dict, run_dir: Path, args) -> dict:
         points.append({"step": step, "tokens": state.get("tokens", train.get(step)), "tau": tau,
                        "train_tau": sum(window) / len(window) if window else None})
         logger.info("%s step %d: tau %s", run_dir.name, step, ", ".join(f"{c} {v:.2f}" for c, v in tau.items()))
-    return {"run": name_of(run_dir), "data": training_data(run_dir), "recipe": recipe(run_dir), "block_size":
+    config = run_config(run_dir)
+    return {"run": name_of(run_dir), "data": training_data(config), "recipe": recipe(config), "block_size":
             drafter.config.block_size if checkpoints else None, "points": points, "eval_tau": evals}
 
 
@@ -103,20 +104,19 @@ def run_config(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
-def training_data(run_dir: Path) -> str:
-    """What a run trained on, as its config.yaml names it: the training file (by name) and the labels (the target's
+def training_data(config: dict) -> str:
+    """What a run trained on, as its config names it: the training file (by name) and the labels (the target's
     distributions, or the text's own tokens)."""
-    config = run_config(run_dir)
     data = config.get("data") or {}
     data = data.get("train") or data.get("hub_config") or "?"
     labels = "target's distributions" if (config.get("drafter") or {}).get("distill") else "text tokens"
     return f"{Path(str(data)).name}, {labels}"
 
 
-def recipe(run_dir: Path) -> str:
+def recipe(config: dict) -> str:
     """How a run trained, where runs on the same data differ: the drafter's layers, its layout where it is not
     r2lm's, and the share of blocks replayed from its errors (drafter.replay)."""
-    section = run_config(run_dir).get("drafter") or {}
+    section = config.get("drafter") or {}
     layers = section.get("layers", 1)
     parts = [f"{layers} drafter layer{'s' * (layers != 1)}"]
     if section.get("layout", "r2lm") != "r2lm":
