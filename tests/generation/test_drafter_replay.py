@@ -45,11 +45,15 @@ def test_the_first_pass_judges_blocks_as_verification_would(setup, monkeypatch):
     loss(setup, replay=0.5)
     (measured,) = seen
     b = drafter.config.block_size
+    # a guess whose two likeliest tokens are nearly tied may differ between two ways of computing it by rounding
+    # alone (another CPU's kernels): such blocks are left out, the rest must agree exactly
+    top2 = measured.logits.topk(2, -1).values
+    clear = ((top2[..., 0] - top2[..., 1]) > 1e-3).view(*measured.anchors.shape, b).all(-1)
     checked = 0
     for row in range(text.shape[0]):
-        for anchor, used, leading in zip(measured.anchors[row].tolist(), measured.used[row].tolist(),
-                                         measured.leading[row].tolist(), strict=True):
-            if not used or anchor + b >= text.shape[1]:
+        for anchor, used, leading, sure in zip(measured.anchors[row].tolist(), measured.used[row].tolist(),
+                                               measured.leading[row].tolist(), clear[row].tolist(), strict=True):
+            if not used or not sure or anchor + b >= text.shape[1]:
                 continue  # a block whose text ends early counts only the guesses it has
             with torch.no_grad():
                 context = drafter.new_context(1, anchor + 2 * b)
