@@ -146,10 +146,14 @@ class Drafts(ABC):
                                                       device=draft.device))
 
     def nothing(self) -> Proposal:
-        """No draft for any row (the next forward is an AR step unless a source drafts inside it)."""
+        """No draft for any row (the next forward is an AR step unless a source drafts inside it): one per row count,
+        made once (never written to), as it is the proposal of every step where drafting does not pay."""
         s = self.state
-        draft = torch.full((len(s.rows), s.b), s.mask_id, dtype=torch.long, device=s.device)
-        return self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+        rows = len(s.rows)
+        if getattr(self, "_nothing", (None,))[0] != rows:
+            draft = torch.full((rows, s.b), s.mask_id, dtype=torch.long, device=s.device)
+            self._nothing = rows, self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+        return self._nothing[1]
 
 
 class CleanDrafts(Drafts):

@@ -57,7 +57,7 @@ CELL_PRIOR = 2.0  # pseudo-tries at the pooled rate of a (confidence, position) 
 SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting text slowly
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
-PROBE_BUDGET = 0.02  # probing a source the estimates rule out costs at most this share of AR time
+PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
 MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
 
@@ -324,6 +324,8 @@ class Adaptive(Policy):
     def width(self, proposal: Proposal) -> int:
         if len(self.widths) == 1:
             return self.widths[0]
+        if (proposal.draft[:, 0] == self.mask_id).all():  # no row has a draft (most steps where drafting loses)
+            return 1
         q = self.q(proposal)
         return self.best(q)[0] if q.any() else 1  # nothing to verify: an AR step, whatever the costs' noise
 
@@ -334,6 +336,8 @@ class Adaptive(Policy):
         # acceptance adds none, but is seen)
         real = np.cumprod(proposal.draft[:, :width] != self.mask_id, 1)
         submitted = real.sum(1)  # each row's leading draft tokens inside the forward
+        if not submitted.any():  # an AR step with nothing drafted: nothing to learn
+            return
         tried = np.minimum(submitted, agreed + 1)  # tokens verification looked at: the accepted, the first refused
         positions = np.arange(width)
         looked = positions[None, :] < tried[:, None]

@@ -2,6 +2,8 @@
 greedy output; it takes AR steps where drafting costs more than it brings and whole drafts where a perfect drafter is
 cheap; every length works with every draft source (issue 40 item 1: max_new_tokens=1 and block_size=1 crashed)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation.costs import ScriptedCosts, interpolate, measured_widths
-from r2lm.generation.policy import Adaptive, Longest, Policy, Proposal
+from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy, Proposal
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import tiny_conversion, tiny_r2lm, tiny_tokenizer
 
@@ -172,13 +174,14 @@ def test_a_ruled_out_drafter_is_probed_across_short_calls(converted):
     counting = Counting(drafter.config).eval()
     counting.load_state_dict(drafter.state_dict())
     # a forward of width 4 costs 2.5 AR steps and drafting 0.5: at an even chance of acceptance (the prior) the
-    # drafter does not pay, and a probe costs 2 AR steps more than an AR step: one every ceil(2 / 0.02) + 1 = 101
+    # drafter does not pay, and a probe costs 2 AR steps more than an AR step: one every ceil(2 / PROBE_BUDGET) + 1
     costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.5 * (width - 1), draft=lambda rows: 0.5)
+    every = math.ceil(2 / PROBE_BUDGET) + 1
     ids = left_padded(batch=1)[0]
-    for _ in range(30):
+    for _ in range(math.ceil(2.5 * every / 10)):  # calls of 10 tokens, 2.5 intervals in all
         generate(target, ids, max_new_tokens=10, verify=True, drafter=counting, verify_draft="drafter", block_size=4,
                  verify_policy=Counted(costs), eos_token_id=[])
-    assert Counted.asked >= 250 and Counting.drafts == Counted.asked // 101 >= 2
+    assert Counted.asked >= 2 * every and Counting.drafts == Counted.asked // every >= 2
 
 
 def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
