@@ -80,6 +80,7 @@ class Drafts(ABC):
 
     def __init__(self, state, policy: Policy, verifying):
         self.state, self.policy, self.verifying = state, policy, verifying
+        self.empty: tuple[int, Proposal] | None = None  # (rows, `nothing`'s proposal for that many rows)
 
     @staticmethod
     def room(verifying) -> int:
@@ -150,10 +151,10 @@ class Drafts(ABC):
         made once (never written to), as it is the proposal of every step where drafting does not pay."""
         s = self.state
         rows = len(s.rows)
-        if getattr(self, "_nothing", (None,))[0] != rows:
+        if self.empty is None or self.empty[0] != rows:
             draft = torch.full((rows, s.b), s.mask_id, dtype=torch.long, device=s.device)
-            self._nothing = rows, self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
-        return self._nothing[1]
+            self.empty = rows, self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+        return self.empty[1]
 
 
 class CleanDrafts(Drafts):
