@@ -5,7 +5,7 @@ against its training tokens.
 
     python -m eval.lossless_bench --target runs/drafter/target [--reference SMOLLM2 --gguf-file FILE]
         [--drafter NAME=DIR ...] [--window NAME=DIR ...] [--curve RUN_DIR ...] [--categories code chat prose]
-        [--speed-prompts 6] [--batch-sizes 1 8] [--new-tokens 64] [--block-size 8] [--humaneval-problems 164]
+        [--speed-prompts 3] [--repeats 3] [--batch-sizes 1 8] [--new-tokens 64] [--block-size 8] [--humaneval-problems 164]
         [--threshold 0.9] [--parts speed humaneval curve] [--update] [--out docs/results] [--results-md docs/results.md]
 
 Prompts (r2lm.workloads, data that ships in packages): code = the HumanEval prompts, chat = first user turns of
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="what to measure (curve only with --curve)")
     parser.add_argument("--categories", nargs="+", choices=CATEGORIES, default=list(CATEGORIES))
-    parser.add_argument("--speed-prompts", type=positive, default=6,
+    parser.add_argument("--speed-prompts", type=positive, default=3,
                         help="prompts per category each speed measurement decodes, a batch at a time (batch 8: "
                              "repeated to fill its batches)")
     parser.add_argument("--max-prompt-tokens", type=positive, default=1024,
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=positive, default=64, help="new tokens per row (fewer where EOS comes)")
     parser.add_argument("--block-size", type=positive, default=8,
                         help="draft length of prompt lookup (ours and transformers'); drafters draft their own")
-    parser.add_argument("--repeats", type=positive, default=1,
+    parser.add_argument("--repeats", type=positive, default=3,
                         help="timed passes over the batches, each in another order of the decoders (each "
                              "batch's fastest decode counts)")
     parser.add_argument("--humaneval-problems", type=positive, default=164, help="the first N of HumanEval's 164")
