@@ -8,7 +8,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   # shellcheck disable=SC1091
   . .venv/bin/activate
 fi
-have() {  # whether every module named is installed: found, not imported (an import of them all takes ~10 s)
+have() {  # whether every module named is installed: found, not imported (importing them all takes seconds)
   python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" "$@"
 }
 have torch || pip install -q "torch==2.13.0"

@@ -163,7 +163,7 @@ def test_console_scripts_work_from_any_folder(installed, tmp_path):
 # ---------------------------------------------------------------------------------------------- scripts/env.sh
 
 
-@pytest.mark.slow  # sources scripts/env.sh, whose checks start Python several times (about 10 s)
+@pytest.mark.slow  # sources scripts/env.sh, whose checks start Python several times
 def test_env_sh_sets_a_cpu_accelerator_only_without_cuda(tmp_path):
     """DeepSpeed gets DS_ACCELERATOR=cpu where torch sees no CUDA device; on a GPU machine it finds CUDA itself;
     a value the user set is kept."""
