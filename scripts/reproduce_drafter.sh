@@ -29,7 +29,7 @@ stage target python -m convert from-hf "$SMOLLM2" "$OUT/target" --gguf-file Smol
   --sidecar-layers "" --block-size 8
 stage prompts python -m r2lm.workloads chat-train --out "$OUT/chat_train_prompts.jsonl"
 stage heldout python train/teacher_data.py --teacher "$OUT/target" --chat --id-field id \
-  --prompts "$OUT/chat_train_prompts.jsonl" --max-prompts 64 --batch-size 16 --max-new-tokens 256 \
+  --prompts "$OUT/chat_train_prompts.jsonl" --max-prompts 64 --batch-size 16 --pool-batches 4 --max-new-tokens 256 \
   --block-size 1 --out "$OUT/heldout_answers.jsonl"
 stage text python -m train.fixed_text --target "$OUT/target" --out "$OUT/sharegpt_text.jsonl" --max-tokens 10500000 \
   --exclude "$OUT/heldout_answers.jsonl" --agreement 60

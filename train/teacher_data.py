@@ -19,12 +19,19 @@ jsonl / json / parquet file (--prompt-field), read with `datasets`; --prompt-tok
 every document that has that many (e.g. held-out paragraphs: real text, see scripts/make_corpus.py). Prompts are
 tokenised with the teacher's tokenizer exactly as the training pipeline tokenises documents.
 
-Decoding is greedy (--temperature 0, the default) or sampled with a seed: batch k (prompts k*B .. k*B + B - 1,
-left-padded) draws from a generator seeded by (--seed, k*B), so the same command gives the same file, and a
-record does not depend on --max-prompts (the last batch is always full when the prompts file has more).
+Batches are left-padded, so a batch costs what its longest prompt costs in every row. --pool-batches K sorts each
+pool of K batches (prompts p*K*B .. (p+1)*K*B - 1) by length before cutting it into batches, so that prompts of
+like length share a batch: real chat prompts vary tenfold in length, and the padding they would carry is most of
+the prefill. K = 1 (the default) keeps the file's order.
+
+Decoding is greedy (--temperature 0, the default) or sampled with a seed: the batch that starts at position s of
+its pool's order (first prompt p*K*B) draws from a generator seeded by (--seed, p*K*B + s), so the same command
+gives the same file, and a record does not depend on --max-prompts (the last pool is always generated whole when
+the prompts file has more; the rows past --max-prompts are dropped).
 
 Resume: re-running the same command appends only the missing records (a larger --max-prompts extends the file).
-Records are appended a batch at a time and flushed; a partial last line left by a killed run is cut off and its
+Records are appended a pool at a time, in prompt order, and flushed; a partial last line left by a killed run is
+cut off and its
 record generated again, and a failed write (a full disk) is undone to the last whole record. The settings that
 decide the records (--dtype resolved: "auto" is the dtype it stands for on this device) are kept in OUT.settings
 (JSON), written with the first records of a new OUT: a re-run with other settings is refused, naming them. One run
@@ -68,7 +75,7 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F
 
 
 def check_arguments(args) -> None:
-    for name in ("max_new_tokens", "batch_size", "prompt_tokens", "max_prompts", "block_size", "top_k"):
+    for name in ("max_new_tokens", "batch_size", "pool_batches", "prompt_tokens", "max_prompts", "block_size", "top_k"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -344,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompts", type=int, help="use the first N prompts (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per continuation (default: 128)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call (default: 8)")
+    parser.add_argument("--pool-batches", type=int, default=1, help="sort each pool of this many batches by prompt "
+                        "length, so that a batch pads little (default: 1, the file's order; e.g. 8 for prompts of "
+                        "mixed lengths; a killed run loses at most one pool's work)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens")
     parser.add_argument("--top-p", type=float, help="sampling: nucleus probability")
@@ -360,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 def prepare(args):
     """The checks after the arguments' (generate_records holds OUT's lock for them), before the teacher loads:
     (teacher kind, tokenizer, prompts, records wanted, device, dtype, settings, records already done). `prompts`
-    runs to the end of the last batch: the batches, and so what a seed samples, do not depend on --max-prompts (the
+    runs to the end of the last pool: the batches, and so what a seed samples, do not depend on --max-prompts (the
     rows past it are generated and dropped)."""
     kind = checkpoint_kind(args.teacher, "--teacher")
     if kind != "r2lm" and (args.block_size is not None or args.threshold is not None):
@@ -371,13 +381,21 @@ def prepare(args):
     if args.student is not None:
         checkpoint_kind(args.student, "--student")
         check_same_vocabulary(tokenizer, load_tokenizer(args.student, "--student"), args.teacher, args.student)
-    limit = None if args.max_prompts is None else -(-args.max_prompts // args.batch_size) * args.batch_size
+    pool = args.batch_size * args.pool_batches
+    limit = None if args.max_prompts is None else -(-args.max_prompts // pool) * pool
     prompts = read_prompts(args, tokenizer, limit)
     wanted = min(len(prompts), args.max_prompts or len(prompts))
     check_lengths(prompts, args.teacher, args.max_new_tokens)
     device, dtype = device_and_dtype(args)
     settings = settings_of(args, dtype)
     return kind, tokenizer, prompts, wanted, device, dtype, settings, done_records(Path(args.out), settings, prompts)
+
+
+def pool_order(prompts: list[Prompt], start: int, size: int, sort: bool) -> list[int]:
+    """The positions of the pool that starts at `start`, in the order they are batched: by prompt length (ties in
+    file order) when `sort`, else the file's."""
+    members = range(start, min(start + size, len(prompts)))
+    return sorted(members, key=lambda i: len(prompts[i].ids)) if sort else list(members)
 
 
 def generate_records(args) -> int:
@@ -411,14 +429,19 @@ def locked_generate_records(args, out: Path) -> int:
         logger.info("%s holds %d of %d records: generating the other %d", out, done, wanted, wanted - done)
     complete_path(out).unlink(missing_ok=True)  # incomplete until this run has written every record
     teacher = Teacher(args.teacher, kind, tokenizer, args, device, dtype)
-    b = args.batch_size
+    b, pool = args.batch_size, args.batch_size * args.pool_batches
     written = 0
     with tqdm(total=wanted, initial=done, desc="teacher", unit="prompt", dynamic_ncols=True) as progress:
-        for start in range(done // b * b, wanted, b):  # fixed batches: a resumed batch is generated as before
-            batch = prompts[start : start + b]
-            results = teacher.continue_batch(batch, noise_seed(args.seed, start))
-            records = [record(start + i, p, new, finished, tokenizer, teacher.digest)
-                       for i, (p, (new, finished)) in enumerate(zip(batch, results, strict=True)) if done <= start + i < wanted]
+        for start in range(done // pool * pool, wanted, pool):  # fixed pools: a resumed pool is generated as before
+            members = pool_order(prompts, start, pool, sort=args.pool_batches > 1)
+            results = {}
+            for s in range(0, len(members), b):
+                batch = members[s : s + b]
+                results.update(zip(batch, teacher.continue_batch([prompts[i] for i in batch],
+                                                                 noise_seed(args.seed, start + s)), strict=True))
+                progress.update(sum(done <= i < wanted for i in batch))
+            records = [record(i, prompts[i], *results[i], tokenizer, teacher.digest)
+                       for i in sorted(results) if done <= i < wanted]
             try:
                 write_records(out, settings, records)
             except OSError as err:
@@ -426,7 +449,6 @@ def locked_generate_records(args, out: Path) -> int:
                                  f"{done + written} records written so far, whole: free space (or fix the error) and "
                                  "rerun the same command to resume") from None
             written += len(records)
-            progress.update(len(records))
     mark_complete(out, done + written)
     per_step = f", {teacher.new_tokens / teacher.steps:.2f} tokens per denoising step" if teacher.steps else ""
     logger.info("wrote %d records to %s%s", written, out, per_step)

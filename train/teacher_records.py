@@ -23,7 +23,10 @@ LOCK_SUFFIX = ".lock"  # nor is this
 COMPLETE_SUFFIX = ".complete"  # nor this: the record count of a run that wrote every record it was asked for
 # the arguments that decide the records: a resumed run must keep them (--max-prompts may grow or shrink)
 SETTINGS = ("teacher", "prompts", "prompt_field", "text_unit", "prompt_tokens", "max_new_tokens", "batch_size",
-            "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype", "chat", "id_field")
+            "pool_batches", "temperature", "top_k", "top_p", "seed", "block_size", "threshold", "dtype", "chat",
+            "id_field")
+# settings added since files were first written, with the value a file that does not record them was written with
+IMPLIED = {"pool_batches": 1}
 
 
 @dataclass
@@ -90,7 +93,7 @@ def done_records(out: Path, settings: dict, prompts: list[Prompt]) -> int:
     if not saved_path.is_file():
         raise ValueError(f"--out {out} exists but was not written by train/teacher_data.py (no {saved_path.name} "
                          "beside it): give another --out")
-    saved = read_settings(saved_path)
+    saved = {**IMPLIED, **read_settings(saved_path)}
     changed = [f"{name}: {saved[name]!r} in the file, {value!r} now" if name in saved else
                f"{name}: not recorded in the file (an older version wrote it), {value!r} now"
                for name, value in settings.items() if saved.get(name) != value or name not in saved]

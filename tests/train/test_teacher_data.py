@@ -19,7 +19,7 @@ from train.config import DataConfig
 from train.data import load_documents
 from train.lock import RunLock
 from train.sources import resolve_source
-from train.teacher_data import build_parser, generate_records
+from train.teacher_data import Teacher, build_parser, generate_records
 
 PROMPT_TOKENS = 12
 
@@ -138,6 +138,51 @@ def test_resume_appends_only_what_is_missing(inputs, tmp_path, caplog):
         assert run(*common(model_dir, heldout, killed, "--max-prompts", "8", *sample)) == 3
     assert "ends with a partial record" in caplog.text
     assert killed.read_bytes() == reference  # the same records as the uninterrupted run, sampled ones included
+
+
+def test_pools_batch_prompts_of_like_length_and_resume_whole(inputs, tmp_path, monkeypatch):
+    """--pool-batches K: each pool of K batches is sorted by prompt length before it is cut into batches (as the
+    teacher receives them); the records stay in prompt order, and a run extended past a pool or killed inside one
+    writes the uninterrupted run's bytes, sampled records included."""
+    root, model_dir, heldout = inputs
+    batches = []
+    continue_batch = Teacher.continue_batch
+
+    def watched(self, prompts, seed):
+        batches.append([len(p.ids) for p in prompts])
+        return continue_batch(self, prompts, seed)
+
+    monkeypatch.setattr(Teacher, "continue_batch", watched)
+    pooled = ["--teacher", str(model_dir), "--prompts", str(heldout), "--max-new-tokens", "8", "--batch-size", "2",
+              "--pool-batches", "3", "--temperature", "1.0", "--seed", "2"]
+    full = tmp_path / "full.jsonl"
+    assert run(*pooled, "--out", str(full), "--max-prompts", "9") == 9
+    lengths = [r["prompt_tokens"] for r in records(full)]
+    assert [r["index"] for r in records(full)] == list(range(9))
+    assert lengths[:6] != sorted(lengths[:6])  # whole paragraphs: the file's order is not the length order
+    assert batches[:3] == [sorted(lengths[:6])[i : i + 2] for i in (0, 2, 4)]  # pool 0, sorted, in batches of 2
+    second = sum(batches[3:], [])
+    assert len(batches) == 6 and second == sorted(second) and all(n in second for n in lengths[6:9])  # pool 1, whole
+    reference = full.read_bytes()
+
+    part = tmp_path / "part.jsonl"
+    assert run(*pooled, "--out", str(part), "--max-prompts", "4") == 4  # inside pool 0
+    assert run(*pooled, "--out", str(part), "--max-prompts", "9") == 5
+    assert part.read_bytes() == reference
+    lines = reference.splitlines(keepends=True)
+    killed = tmp_path / "killed.jsonl"  # 7 records (inside pool 1) and half of the eighth
+    shutil.copy(tmp_path / "part.jsonl.settings", tmp_path / "killed.jsonl.settings")
+    killed.write_bytes(b"".join(lines[:7]) + lines[7][: len(lines[7]) // 2])
+    assert run(*pooled, "--out", str(killed), "--max-prompts", "9") == 2
+    assert killed.read_bytes() == reference
+    # a file written before pools existed was written in the file's order: it extends with K = 1 only
+    old = tmp_path / "old.jsonl"
+    run(*common(model_dir, heldout, old, "--max-prompts", "3"))
+    settings = json.loads((tmp_path / "old.jsonl.settings").read_text())
+    (tmp_path / "old.jsonl.settings").write_text(json.dumps({k: v for k, v in settings.items() if k != "pool_batches"}))
+    assert run(*common(model_dir, heldout, old, "--max-prompts", "6")) == 3
+    expect_refusal(common(model_dir, heldout, old, "--max-prompts", "9", "--pool-batches", "2"),
+                   r"other settings \(pool_batches: 1 in the file, 2 now\)", old)
 
 
 def expect_refusal(args, message, out):
