@@ -14,9 +14,9 @@
 - AR decoding of the same backbone (block size 1 without sidecars), the speed every line is compared with.
 
 Each prompt is answered alone (a chat answers one user at a time) through the tokenizer's chat template; every
-decoder is warmed up once before it is timed, then timed over --passes passes, the decoders in another order each
-pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them). Prints the answers, then a table
-of tokens/s, tokens per forward and the ratio to AR.
+decoder is warmed up once before it is timed, then timed over --passes passes, the decoders in another order for each
+prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them). Prints the
+answers, then a table of tokens/s, tokens per forward and the ratio to AR.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", action="append", help=f"a user message (repeatable; default: {len(PROMPTS)} examples)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=2,
-                        help="timed passes over the prompts, the decoders in another order each pass (each prompt's "
-                             "fastest decode counts)")
+                        help="timed passes over the prompts, the decoders in another order for each prompt of each "
+                             "pass (each prompt's fastest decode counts)")
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--block-size", type=int, default=None, help="parallel decoding's block (default: the checkpoint's)")
     parser.add_argument("--verify-block-size", type=int, default=4,
@@ -86,14 +86,15 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for m, o in decoders.values():  # warm-up: first-use measurements (product orders, verification costs)
             generate(m, inputs[0], **{**options, "max_new_tokens": 8}, **o)
-        # interleaved a prompt at a time (a load that comes and goes hits every line alike), each pass in another
-        # order, and each prompt's fastest decode counts: a shared machine's noise only adds time
+        # interleaved a prompt at a time (a load that comes and goes hits every line alike), each prompt of each
+        # pass in another order, and each prompt's fastest decode counts: a shared machine's noise only adds time
         results = {name: [None] * len(inputs) for name in decoders}
         times = {name: [[] for _ in inputs] for name in decoders}
         names = list(decoders)
         for repeat in range(args.passes):
             for i, ids in enumerate(inputs):
-                for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                turn = (repeat * len(inputs) + i) % len(names)
+                for name in names[turn:] + names[:turn]:
                     m, o = decoders[name]
                     start = time.perf_counter()
                     results[name][i] = generate(m, ids, **options, **o)

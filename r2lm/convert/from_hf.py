@@ -193,14 +193,14 @@ def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
     path = gguf_path(src, gguf_file)
     # Dequantised weights take about 32 / bits-per-weight times the file's size: 8x for 4-bit quantisation.
     check_destination(dst, [src], overwrite, needed_bytes=8 * path.stat().st_size)
-    check_gguf(path)
     logger.info("reading %s: transformers' GGUF loader dequantises its quantised weights to %s", path,
                 torch.get_default_dtype())
     name = path.relative_to(src.resolve()).as_posix()
     try:
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:  # an architecture or field it lacks, ...
+    except Exception as err:  # an architecture or field it lacks, or a damaged file: checked only now (a read of
+        check_gguf(path)  # the whole file, as each of transformers' loaders does), so that a damaged one is named
         raise ValueError(f"transformers cannot load {path}: {err}") from err
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are dequantised now: nothing of it carries over

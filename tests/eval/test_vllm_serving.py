@@ -57,24 +57,20 @@ def train_dflash_drafter(target, texts, prompt_lens, steps=150) -> Drafter:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, request):
     from transformers import AutoTokenizer
 
-    from eval.common import SMOLLM2_GGUF, smollm2_dir
-    from r2lm.convert.from_hf import convert_from_hf
-
     python = serve_python()  # first: a machine that cannot build it fails here, before minutes of work
+    smollm2 = request.getfixturevalue("smollm2")  # the quickstart's conversion (tests/conftest.py)
     root = tmp_path_factory.mktemp("vllm")
-    convert_from_hf(smollm2_dir(), root / "r2lm", gguf_file=SMOLLM2_GGUF, sidecar_layers=[24, 25, 26, 27, 28, 29],
-                    block_size=16)
-    target = R2LMForDiffusionLM.from_pretrained(root / "r2lm").eval()
-    tokenizer = AutoTokenizer.from_pretrained(root / "r2lm")
+    target = R2LMForDiffusionLM.from_pretrained(smollm2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
     texts = greedy_replies(target, prompts)
     drafter = train_dflash_drafter(target, texts, [len(p) for p in prompts])
     drafter.save_pretrained(root / "drafter")
-    exported = export(root / "r2lm", root / "served", root / "drafter")
+    exported = export(smollm2, root / "served", root / "drafter")
     return python, root, target, Drafter.from_pretrained(root / "drafter").eval(), prompts, exported
 
 

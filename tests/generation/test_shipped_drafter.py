@@ -36,27 +36,21 @@ def test_a_damaged_copy_is_refused_by_name(tmp_path, damage):
 
 
 @pytest.mark.slow
-def test_it_is_found_for_smollm2_and_keeps_its_greedy_text(tmp_path):
+def test_it_is_found_for_smollm2_and_keeps_its_greedy_text(smollm2, smollm2_reference):
     """SmolLM2 from the offline GGUF, converted with sidecars on its top layers as the quickstart does."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from eval.common import SMOLLM2_GGUF as gguf
-    from eval.common import smollm2_dir
     from r2lm import R2LMForDiffusionLM, generate
-    from r2lm.convert.from_hf import convert_from_hf
 
-    src = smollm2_dir()
-    convert_from_hf(src, tmp_path / "r2lm", gguf_file=gguf, sidecar_layers=[24, 25, 26, 27, 28, 29], block_size=16)
-    model = R2LMForDiffusionLM.from_pretrained(tmp_path / "r2lm").eval()
+    model = R2LMForDiffusionLM.from_pretrained(smollm2).eval()
     drafter = Drafter.shipped(model)
     assert drafter is not None and drafter.config.target_digest == json.loads((FOLDER / "config.json").read_text())[
         "target_digest"]
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "r2lm")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colours."}], tokenize=False,
                                          add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    reference = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf).eval()
-    greedy = reference.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.eos_token_id)
+    greedy = smollm2_reference.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                        pad_token_id=tokenizer.eos_token_id)
     out = generate(model, ids, max_new_tokens=24, verify=True, drafter=drafter, eos_token_id=tokenizer.eos_token_id)
     assert torch.equal(out.sequences, greedy[:, : out.sequences.shape[1]])
