@@ -118,8 +118,5 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # a 1M-parameter model after a minute of
   python -m r2lm.cli.generate "$RUN/r2lm" --prompt "The for statement" --max-new-tokens 32 \
     --drafter "$RUN/drafter/run/final"
 else
-  # one timed pass (the demo's default is two): the lossy line's 16-column forwards alone cost ~4 AR decodes a pass;
-  # eval/lossless_bench.py is the measurement of record
-  python scripts/chat_demo.py "$TRAINED/final" --reference "$SMOLLM2" --gguf-file "$GGUF" --drafter "$RUN/drafter/run/final" \
-    --passes 1
+  python scripts/chat_demo.py "$TRAINED/final" --reference "$SMOLLM2" --gguf-file "$GGUF" --drafter "$RUN/drafter/run/final"
 fi

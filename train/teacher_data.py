@@ -31,13 +31,12 @@ the prompts file has more; the rows past --max-prompts are dropped).
 
 Resume: re-running the same command appends only the missing records (a larger --max-prompts extends the file).
 Records are appended a pool at a time, in prompt order, and flushed; a partial last line left by a killed run is
-cut off and its
-record generated again, and a failed write (a full disk) is undone to the last whole record. The settings that
-decide the records (--dtype resolved: "auto" is the dtype it stands for on this device) are kept in OUT.settings
-(JSON), written with the first records of a new OUT: a re-run with other settings is refused, naming them. One run
-at a time writes OUT: it holds an exclusive lock on OUT.lock (train/lock.py), and a second run is refused at once,
-naming the holder. Every check (a writable folder, the lock, files, tokenizers, settings, lengths) runs before the
-teacher loads.
+cut off and its record generated again, and a failed write (a full disk) is undone to the last whole record. The
+settings that decide the records (--dtype resolved: "auto" is the dtype it stands for on this device) are kept in
+OUT.settings (JSON), written with the first records of a new OUT: a re-run with other settings is refused, naming
+them. One run at a time writes OUT: it holds an exclusive lock on OUT.lock (train/lock.py), and a second run is
+refused at once, naming the holder. Every check (a writable folder, the lock, files, tokenizers, settings, lengths)
+runs before the teacher loads.
 """
 
 from __future__ import annotations

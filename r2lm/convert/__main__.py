@@ -26,7 +26,7 @@ from r2lm.checkpoints.export import export_deepspeed_checkpoint
 from r2lm.configuration_r2lm import R2LMConfig
 from r2lm.convert.dflash import export_dflash
 from r2lm.convert.drafter import export_drafter
-from r2lm.convert.from_hf import convert_from_hf
+from r2lm.convert.from_hf import CHECK_TOLERANCE, convert_from_hf
 from r2lm.convert.importers import DEFAULT_BLOCK_SIZE, DREAM_MASK_ID, LLADA2_MASK_ID, LLADA_MASK_ID, import_checkpoint
 from r2lm.convert.merge_lora import merge_lora
 from r2lm.convert.to_hf import convert_to_hf
@@ -73,7 +73,7 @@ def add_from_hf(sub) -> None:
                    "quantised weights are dequantised by transformers' GGUF loader; needs the gguf package)")
     p.add_argument("--check", action="store_true", help="before writing, run the source model (transformers) and "
                    "the R2LM on a probe text in float32 and report the largest gap in their logits; an error if it "
-                   "exceeds 1e-3 (closed gates compute what the source computes)")
+                   f"exceeds {CHECK_TOLERANCE:g} (closed gates compute what the source computes)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(run=run_from_hf)
 
