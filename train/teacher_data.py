@@ -285,7 +285,7 @@ class Teacher:
 
             self.digest = target_digest(self.model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.steps = self.new_tokens = 0  # R2LM teachers: denoising steps and tokens, for the tokens-per-step report
+        self.steps = self.new_tokens = 0  # R2LM teachers: row steps and tokens, for the tokens-per-step report
 
     def continue_batch(self, prompts: list[Prompt], seed: int) -> list[tuple[list[int], bool]]:
         """(new token ids, the EOS that ended them included, whether an EOS ended them) for each prompt."""
@@ -313,7 +313,7 @@ class Teacher:
             out = generate(self.model, ids, mask, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, generator=generator, eos_token_id=self.eos_ids,
                            pad_token_id=self.pad_id, **decoding)
-            self.steps += out.steps * ids.shape[0]
+            self.steps += out.row_steps  # the steps of the rows still decoding at each (a stopped row waits)
             self.new_tokens += out.new_tokens
             return out.sequences
         from transformers import GenerationConfig

@@ -102,6 +102,27 @@ def test_chat_prompts_go_through_the_chat_template(inputs, tmp_path):
     assert [rec["id"] for rec in records(tmp_path / "chat.jsonl")] == ["conv0", "conv1"]  # --id-field, kept
 
 
+def test_an_ar_teacher_reports_one_token_per_step(inputs, tmp_path, caplog):
+    """--block-size 1: a row gains one token a step while it decodes; the steps a stopped row waits while others
+    decode do not count. (A second EOS id, the first token one row generates, stops that row at once.)"""
+    from transformers import GenerationConfig
+
+    root, model_dir, heldout = inputs
+    teacher = tmp_path / "teacher"
+    shutil.copytree(model_dir, teacher)
+    args = ["--max-prompts", "3", "--block-size", "1"]
+    run(*common(teacher, heldout, tmp_path / "first.jsonl", *args))
+    first = records(tmp_path / "first.jsonl")
+    stop = first[0]["ids"][first[0]["prompt_tokens"]]
+    eos = AutoTokenizer.from_pretrained(teacher).eos_token_id
+    GenerationConfig(eos_token_id=[eos, stop]).save_pretrained(teacher)
+    with caplog.at_level("INFO"):
+        run(*common(teacher, heldout, tmp_path / "ar.jsonl", *args))
+    lengths = [r["new_tokens"] + r["finished"] for r in records(tmp_path / "ar.jsonl")]
+    assert lengths[0] == 1 and max(lengths) > 1  # row 0 stopped at once, another decoded on
+    assert "1.00 tokens per denoising step" in caplog.text
+
+
 def test_sampling_is_deterministic_for_a_seed(inputs, tmp_path):
     root, model_dir, heldout = inputs
     sample = ["--max-prompts", "5", "--temperature", "1.0"]
