@@ -7,10 +7,10 @@
 #   3. the sidecars trained with the block-diffusion objective through the deepspeed launcher, 2 CPU ranks, ZeRO-2
 #      (the backbone frozen), then exported
 #   4. the drafter pipeline, shown small: SmolLM2 answers 32 ShareGPT training-split prompts (its own greedy text,
-#      train/teacher_data.py --chat, batched by length), and a drafter learns to guess it from SmolLM2's own features through
-#      the deepspeed launcher (objective=drafter, 2 CPU ranks, a minute or two). Far too little to pay: the drafter
-#      r2lm ships for SmolLM2 (r2lm/drafters/, 10M tokens of self-distillation, scripts/reproduce_drafter.sh) is the
-#      one that does, and step 5 shows both
+#      train/teacher_data.py --chat, batched by length), and a drafter learns to guess it from SmolLM2's own
+#      features through the deepspeed launcher (objective=drafter, 2 CPU ranks, a minute or two). Far too little to
+#      pay: the drafter r2lm ships for SmolLM2 (r2lm/drafters/, 10M tokens of self-distillation,
+#      scripts/reproduce_drafter.sh) is the one that does, and step 5 shows both
 #   5. chat prompts answered with cached parallel decoding and with verify=True, drafted by the window, by prompt
 #      lookup, by the shipped drafter and by step 4's (lossless: SmolLM2's own text, checked), tokens per forward
 #      and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
