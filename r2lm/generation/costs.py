@@ -25,7 +25,7 @@ import torch
 from r2lm.ops.linear import tuner_of
 
 TRIALS = 3  # timed forwards per measured shape, after untimed ones (allocation, kernel choice, product orders)
-SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner times its orders in a shape's first ones
+SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner times its orders in a class's first uses
 
 
 class StepCosts(ABC):
@@ -109,10 +109,11 @@ class MeasuredCosts(StepCosts):
             drafting = None if self.drafting is None else self.drafting(r)
             if drafting is not None:
                 runs["draft"] = drafting
-            for fn in runs.values():  # untimed: until the tuners have decided every product order they use
-                for _ in range(SETTLE):
+            for fn in runs.values():  # untimed: until the tuners have decided every product order it uses, which
+                for _ in range(SETTLE):  # a forward that times no product shows (classes it never uses do not count)
+                    before = self.timings()
                     fn()
-                    if not any(t.undecided() for t in self.tuners):
+                    if self.timings() == before:
                         break
             times: dict = {k: [] for k in runs}
             for _ in range(TRIALS):  # interleaved: a load that comes and goes hits every width alike
@@ -120,6 +121,9 @@ class MeasuredCosts(StepCosts):
                     times[key].append(timed(fn, self.device))
             self.verify_table[r] = {w: statistics.median(times[w]) for w in self.widths}
             self.draft_table[r] = statistics.median(times["draft"]) if "draft" in times else 0.0
+
+    def timings(self) -> int:
+        return sum(t.timings() for t in self.tuners)
 
     def verify(self, rows: int, width: int) -> float:
         by_rows = {r: interpolate(widths, width) for r, widths in self.verify_table.items()}

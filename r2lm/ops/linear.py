@@ -137,6 +137,11 @@ class Tuner:
     def __deepcopy__(self, memo) -> Tuner:
         return self  # decisions describe the machine, not a model: a copied model (without_sidecars) shares them
 
+    def timings(self) -> int:
+        """Products timed so far: each a call of a class that was undecided then (a forward that adds none ran only
+        decided orders)."""
+        return sum(len(t) for times in self.trials.values() for t in times.values())
+
     def undecided(self) -> int:
         """Shape classes still being timed (their products run every order in turn: a forward costs more until
         then)."""

@@ -10,8 +10,10 @@ import torch
 
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
-from r2lm.generation.costs import ScriptedCosts, interpolate, measured_widths
+from r2lm.generation.costs import TRIALS as COST_TRIALS
+from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate, measured_widths
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy, Proposal
+from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import tiny_conversion, tiny_r2lm, tiny_tokenizer
 
@@ -270,6 +272,28 @@ def test_measured_costs_are_kept_per_model(converted):
     before = dict(tables[key]["verify"]["1"])
     generate(target, ids, max_new_tokens=3, block_size=4, verify=True, verify_draft="lookup", eos_token_id=[])
     assert measured_tables(target)[key]["verify"]["1"] == before
+
+
+def test_measuring_settles_only_the_product_orders_its_forwards_use():
+    """Before timing a shape, its forward runs until one call times no product (every order it uses decided): a
+    class its forwards never use, left undecided by other work, must not hold each shape to SETTLE forwards."""
+    model = tiny_r2lm().eval()
+    tuner = install(model)
+    with torch.no_grad():
+        tuner(torch.ones(3, 7), torch.ones(5, 7))  # a class of another model's: undecided, never used below
+        added = []
+
+        def forward(rows, width):
+            def run():
+                before = tuner.timings()
+                model(torch.zeros(rows, width, dtype=torch.long))
+                added.append(tuner.timings() - before)
+            return run
+
+        MeasuredCosts(forward, [1, 2], None, torch.device("cpu"), (model,)).measure(1)
+    assert tuner.undecided() == 1
+    # each width: forwards that time products until one times none; then the timed forwards, which time none
+    assert added.count(0) == 2 + 2 * COST_TRIALS and added[-2 * COST_TRIALS - 1:] == [0] * (2 * COST_TRIALS + 1)
 
 
 def test_verify_policy_is_checked(converted):
