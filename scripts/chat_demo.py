@@ -15,8 +15,9 @@
 
 Each prompt is answered alone (a chat answers one user at a time) through the tokenizer's chat template; every
 decoder is warmed up once before it is timed, then timed over --passes passes, the decoders in another order for each
-prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them). Prints the
-answers, then a table of tokens/s, tokens per forward and the ratio to AR.
+prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them); after the first
+pass, only the lines within 1.2x of AR's speed either way are timed again (a few % of noise cannot carry the others
+across AR's). Prints the answers, then a table of tokens/s, tokens per forward and the ratio to AR.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from r2lm.convert.to_hf import without_sidecars
 from r2lm.drafter import Drafter
 from r2lm.ops.linear import install
 
+AR = "AR (backbone)"
+FAR = 1.2  # a line this many times faster or slower than AR after a pass is not timed again
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
 
@@ -45,7 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=2,
                         help="timed passes over the prompts, the decoders in another order for each prompt of each "
-                             "pass (each prompt's fastest decode counts)")
+                             f"pass (each prompt's fastest decode counts; after the first, only lines within {FAR}x "
+                             "of AR's speed)")
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--block-size", type=int, default=None, help="parallel decoding's block (default: the checkpoint's)")
     parser.add_argument("--verify-block-size", type=int, default=4,
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
         drafter = Drafter.from_pretrained(args.drafter).eval()
         install(drafter, tuner)
         decoders["verify, --drafter"] = (model, dict(verify=True, drafter=drafter))
-    decoders["AR (backbone)"] = (without_sidecars(model), dict(block_size=1))
+    decoders[AR] = (without_sidecars(model), dict(block_size=1))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                              add_generation_prompt=True) for p in (args.prompt or PROMPTS)]
     inputs = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids for p in prompts]
@@ -90,8 +94,14 @@ def main(argv=None) -> int:
         # pass in another order, and each prompt's fastest decode counts: a shared machine's noise only adds time
         results = {name: [None] * len(inputs) for name in decoders}
         times = {name: [[] for _ in inputs] for name in decoders}
+
+        def speed(name):  # tokens/s, each prompt's fastest decode counting
+            return sum(o.new_tokens for o in results[name]) / sum(map(min, times[name]))
+
         names = list(decoders)
         for repeat in range(args.passes):
+            if repeat:  # a line this far from AR's speed is not timed again: a few % of noise cannot carry it across
+                names = [n for n in names if n == AR or 1 / FAR < speed(n) / speed(AR) < FAR]
             for i, ids in enumerate(inputs):
                 turn = (repeat * len(inputs) + i) % len(names)
                 for name in names[turn:] + names[:turn]:
@@ -99,7 +109,6 @@ def main(argv=None) -> int:
                     start = time.perf_counter()
                     results[name][i] = generate(m, ids, **options, **o)
                     times[name][i].append(time.perf_counter() - start)
-        seconds = {name: sum(map(min, t)) for name, t in times.items()}
         own = [reference.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=pad) for ids in inputs]
 
@@ -118,12 +127,10 @@ def main(argv=None) -> int:
     verified = [name for name in decoders if name.startswith("verify")]
     identical = all(same(results[name][i].sequences, own[i]) for name in verified for i in range(len(inputs)))
     print(f"\nverify=True output (every draft source) identical to the original model's own greedy generate: {identical}")
-    ar_speed = sum(o.new_tokens for o in results["AR (backbone)"]) / seconds["AR (backbone)"]
     print(f"\n{'decoding':<26}{'tokens/s':>10}{'tokens/forward':>16}{'vs AR':>8}")
     for name, outs in results.items():
         tokens, forwards = sum(o.new_tokens for o in outs), sum(o.nfe for o in outs)
-        speed = tokens / seconds[name]
-        print(f"{name:<26}{speed:>10.1f}{tokens / max(forwards, 1):>16.2f}{speed / ar_speed:>8.2f}")
+        print(f"{name:<26}{speed(name):>10.1f}{tokens / max(forwards, 1):>16.2f}{speed(name) / speed(AR):>8.2f}")
     return 0 if identical else 1
 
 
