@@ -12,11 +12,14 @@ speed; on others it is the other way round (docs/results.md, "Few-row matrix pro
 constant decides: a Tuner measures each shape class (rows, the weight's shape, torch's thread count) at its first
 uses, inside the forwards that use it (where its weight streams from memory as it will from then on, rather than
 sitting in a cache as it would in a loop over one weight): TRIALS calls time each order, in turn, and the fastest
-median wins, an order other than the reference only by a margin (MARGIN). Until a class is decided, every call
-returns the reference's product, so what a forward computes never depends on a timing in progress; once decided,
-a class keeps its order. `Tuner.save` / `Tuner.load` keep the decisions across processes (a file made on another
-machine, torch or kernel build is refused), so two processes with the same decisions compute the same bits.
-`Tuner(order=...)` takes one order everywhere without measuring (tests of each path, benchmarks of one order).
+median wins, an order other than the reference only by a margin (MARGIN). A weight larger than the CPU's last-level
+cache streams from memory however often it is multiplied, so its class takes all its timed calls at its first use
+(the lm_head, used once a forward, would otherwise stay undecided for len(orders) x TRIALS forwards). Until a class
+is decided, every call returns the reference's product, so what a forward computes never depends on a timing in
+progress; once decided, a class keeps its order. `Tuner.save` / `Tuner.load` keep the decisions across processes
+(a file made on another machine, torch or kernel build is refused), so two processes with the same decisions
+compute the same bits. `Tuner(order=...)` takes one order everywhere without measuring (tests of each path,
+benchmarks of one order).
 
 The other orders apply only without autograd (training keeps `F.linear`, and with it DeepSpeed ZeRO-3's patched
 linear) or autocast, to float32 on CPU and at most FEW_ROWS rows. Their sums are the same products in another
@@ -30,6 +33,7 @@ W @ x^T with x^T row-major is a slow layout for MKL's sgemm.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -75,6 +79,21 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 ORDERS = {REFERENCE: F.linear, "transposed": transposed, "kernel": few_rows}
 
 
+@functools.cache
+def last_level_cache(folder: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Bytes of this CPU's largest cache, as Linux describes it (0 where unknown: every class is then timed a call
+    at a time)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for entry in folder.glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
 def machine() -> str:
     """What decisions hold for: this CPU (model and flags), torch's version and the kernel's source (the kernel's
     build name digests exactly these)."""
@@ -117,14 +136,20 @@ class Tuner:
 
     def _trial(self, key: tuple, x, weight, bias) -> torch.Tensor:
         """One call of an undecided class: time the order with the fewest timings so far (with the weight as the
-        forward left it); return the reference's product whatever was timed."""
+        forward left it), or every timing the class still needs if its weight outgrows the last-level cache; return
+        the reference's product whatever was timed."""
         orders = [REFERENCE, "transposed"] + (["kernel"] if kernel() is not None else [])
         times = self.trials.setdefault(key, {order: [] for order in orders})
-        order = min(times, key=lambda o: len(times[o]))
-        start = time.perf_counter()
-        out = ORDERS[order](x, weight, bias)
-        times[order].append(time.perf_counter() - start)
-        if order != REFERENCE:
+        cache = last_level_cache()
+        streamed = 0 < cache < weight.numel() * weight.element_size()
+        out = None
+        for _ in range(sum(TRIALS - len(t) for t in times.values()) if streamed else 1):
+            order = min(times, key=lambda o: len(times[o]))
+            start = time.perf_counter()
+            product = ORDERS[order](x, weight, bias)
+            times[order].append(time.perf_counter() - start)
+            out = product if order == REFERENCE else out
+        if out is None:
             out = F.linear(x, weight, bias)
         if all(len(t) == TRIALS for t in times.values()):
             medians = {o: statistics.median(t) for o, t in times.items()}

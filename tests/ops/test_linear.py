@@ -119,6 +119,33 @@ def test_each_class_is_decided_by_its_trials_and_returns_the_reference_until_the
         assert not multiplied_by_the_weight(torch.randn(1, 4, 24), weight, False, tuner)  # another class: a trial
 
 
+@pytest.mark.parametrize("cache, at_once", [(1, True), (200 * 24 * 4, False), (0, False)],
+                         ids=["outgrows the cache", "fits the cache", "cache unknown"])
+def test_a_weight_larger_than_the_last_level_cache_is_timed_at_its_first_use(monkeypatch, cache, at_once):
+    """A weight that outgrows the last-level cache streams from memory however often it is multiplied: its class
+    takes every timed call at its first use (a class used once a forward would otherwise stay undecided for
+    len(orders) x TRIALS forwards). One that fits, or where the cache is unknown, is timed a call at a time. The
+    product returned is the reference's either way."""
+    monkeypatch.setattr(ops_linear, "last_level_cache", lambda: cache)
+    orders = 2 + (kernel() is not None)
+    weight, x, tuner = torch.randn(200, 24), torch.randn(1, 3, 24), Tuner()
+    with torch.no_grad():
+        for calls in range(1, (1 if at_once else orders * TRIALS) + 1):
+            assert tuner.decisions() == []
+            torch.testing.assert_close(tuner(x, weight), F.linear(x, weight), rtol=0, atol=0)
+            assert sum(map(len, tuner.trials[(3, 200, 24, torch.get_num_threads())].values())) == (
+                orders * TRIALS if at_once else calls)
+    assert len(tuner.decisions()) == 1
+
+
+def test_the_last_level_cache_is_read_from_linux_cache_descriptions(tmp_path):
+    for index, size in enumerate(["32K", "512K", "8192K", "1M", "garbled"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert ops_linear.last_level_cache(tmp_path) == 8192 * 1024
+    assert ops_linear.last_level_cache(tmp_path / "absent") == 0
+
+
 def test_the_kernel_is_f_linear_for_every_remainder():
     """csrc/few_rows.cpp tiles 4 weight rows x 4 input rows x 16 floats: every remainder of each."""
     if kernel() is None:
