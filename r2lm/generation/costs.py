@@ -123,6 +123,7 @@ class MeasuredCosts(StepCosts):
             self.draft_table[r] = statistics.median(times["draft"]) if "draft" in times else 0.0
 
     def timings(self) -> int:
+        """Products the models' tuners have timed so far (r2lm.ops.linear.Tuner.timings)."""
         return sum(t.timings() for t in self.tuners)
 
     def verify(self, rows: int, width: int) -> float:

@@ -22,7 +22,7 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_gener
 
 def test_the_demo_checks_every_verified_line_against_the_reference(tmp_path, capsys, monkeypatch):
     source = tmp_path / "hf"
-    tokenizer = tiny_tokenizer()  # byte-level: 256 bytes, merges, specials (and [MASK], as a chat model would not)
+    tokenizer = tiny_tokenizer()  # byte-level: 256 bytes, merges, specials; [MASK] added as convert from-hf adds it
     tokenizer.add_special_tokens({"mask_token": "<|mask|>"})
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(source)
