@@ -59,9 +59,12 @@ def save_smollm2(dst: Path) -> None:
     """SmolLM2 as a plain fp32 transformers Llama folder (the GGUF-loaded model refuses save_pretrained)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    from r2lm.convert.gguf import reading_gguf
+
     src = smollm2_dir()
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    with reading_gguf():
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     config = quantized.config
     del config.quantization_config
     model = LlamaForCausalLM(config)

@@ -119,6 +119,7 @@ def load_setup(args) -> Setup:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from r2lm.checkpoints import complete_checkpoints
+    from r2lm.convert.gguf import reading_gguf
     from r2lm.convert.to_hf import transformers_backbone, without_sidecars
     from r2lm.drafter import Drafter, DrafterConfig
 
@@ -129,7 +130,8 @@ def load_setup(args) -> Setup:
     if args.reference is not None:
         logger.info("reference %s%s", args.reference, f" ({args.gguf_file})" if args.gguf_file else "")
         extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-        hf = AutoModelForCausalLM.from_pretrained(args.reference, dtype=torch.float32, **extra).eval()
+        with reading_gguf():
+            hf = AutoModelForCausalLM.from_pretrained(args.reference, dtype=torch.float32, **extra).eval()
         reference = name_of(Path(args.reference) / args.gguf_file if args.gguf_file else args.reference)
     else:
         hf, reference = transformers_backbone(plain).eval(), "the target's weights in transformers' model class"

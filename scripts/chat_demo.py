@@ -29,6 +29,7 @@ import time
 import torch
 
 from r2lm import R2LMForDiffusionLM, generate
+from r2lm.convert.gguf import reading_gguf
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.drafter import Drafter
 from r2lm.ops.linear import install
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     tuner = install(model)  # the CPU decode speedup, applied from outside (r2lm.ops.linear); shared by the drafters
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    reference = AutoModelForCausalLM.from_pretrained(args.reference, **extra).eval()
+    with reading_gguf():  # a GGUF file parsed once, not twice
+        reference = AutoModelForCausalLM.from_pretrained(args.reference, **extra).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
     b = args.verify_block_size

@@ -26,6 +26,7 @@ from r2lm.checkpoints import (
     write_checkpoint,
 )
 from r2lm.configuration_r2lm import R2LMConfig
+from r2lm.convert.gguf import reading_gguf
 from r2lm.modeling_r2lm import R2LMForDiffusionLM
 
 logger = logging.getLogger(__name__)
@@ -199,8 +200,9 @@ def read_gguf(src: Path, gguf_file: str, dst, overwrite: bool):
                 torch.get_default_dtype())
     name = path.relative_to(src.resolve()).as_posix()
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+        with reading_gguf():  # the file parsed once for the config, the weights and the tokenizer
+            model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
     except Exception as err:  # an architecture or field it lacks, or a damaged file: checked only now (a read of
         check_gguf(path)  # the whole file, as each of transformers' loaders does), so that a damaged one is named
         raise ValueError(f"transformers cannot load {path}: {err}") from err
