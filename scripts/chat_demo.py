@@ -16,8 +16,9 @@
 Each prompt is answered alone (a chat answers one user at a time) through the tokenizer's chat template; every
 decoder is warmed up once before it is timed, then timed over --passes passes, the decoders in another order for each
 prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them); after the first
-pass, only the lines within 1.2x of AR's speed either way are timed again (a few % of noise cannot carry the others
-across AR's). Prints the answers, then a table of tokens/s, tokens per forward and the ratio to AR.
+pass, only the lines within 2x of AR's speed either way are timed again (noise cannot carry the others across AR's;
+a shared machine's first pass can run markedly slower than its second, AR's included, and a narrow band then froze
+lines at their first pass's figures: docs/results.md, "The chat demo's passes"). Prints the answers, then a table of tokens/s, tokens per forward and the ratio to AR.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from r2lm.drafter import Drafter
 from r2lm.ops.linear import install
 
 AR = "AR (backbone)"
-FAR = 1.2  # a line this many times faster or slower than AR after a pass is not timed again
+FAR = 2.0  # a line this many times faster or slower than AR after a pass is not timed again
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
 
