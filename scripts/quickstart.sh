@@ -98,7 +98,7 @@ if [ -n "${QUICKSTART_TINY:-}" ]; then  # the tiny model continues corpus paragr
 else  # SmolLM2 answers ShareGPT's training-split prompts (the held-out split is the benchmark's)
   python -m r2lm.workloads chat-train --limit 32 --out "$RUN/drafter/prompts.jsonl"
   python train/teacher_data.py --teacher "$RUN/r2lm" --block-size 1 --chat --id-field id \
-    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 96 --batch-size 8 --pool-batches 4 \
+    --prompts "$RUN/drafter/prompts.jsonl" --max-new-tokens 64 --batch-size 8 --pool-batches 4 \
     --out "$RUN/drafter/answers.jsonl"
   DRAFTER_CONFIG=configs/drafter/smollm2_quickstart.yaml
 fi
