@@ -18,9 +18,10 @@ import os
 @contextlib.contextmanager
 def reading_gguf():
     """While it lasts, transformers' GGUF loaders share one read-only gguf.GGUFReader per file (a file replaced
-    meanwhile is read anew) and one tensor-name table per (architecture, block count); both are gguf-py's own
-    objects, which the loaders only read. gguf-py's names are restored on leaving, however it is left. Without gguf
-    installed it does nothing (transformers' loader then says what it needs)."""
+    meanwhile is read anew) and one tensor-name table per (architecture, block count): it stands in for the two
+    names of the gguf module that transformers looks up at each load, `GGUFReader` and `get_tensor_name_map`, and
+    puts them back on leaving, however it is left. What they return are gguf-py's own objects, which the loaders
+    only read. Without gguf installed it does nothing (transformers' loader then says what it needs)."""
     try:
         import gguf
     except ImportError:

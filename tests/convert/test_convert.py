@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,6 +15,7 @@ from r2lm import R2LMConfig, R2LMForDiffusionLM
 from r2lm.checkpoints import load_tokenizer
 from r2lm.convert.__main__ import main
 from r2lm.convert.from_hf import convert_from_hf
+from tests.helpers.checkpoints import gguf_file
 from tests.helpers.models import sharp_hf, tiny_hf_config, tiny_r2lm, tiny_tokenizer
 
 
@@ -256,25 +256,10 @@ def test_to_hf_drop_sidecars_exports_the_verified_forward(tmp_path):
 # ---------------------------------------------------------------- issue 32: GGUF files, tokenizers, generation configs
 
 
-def small_gguf(path):
-    """A small, valid GGUF file (llama.cpp's format): metadata and two float32 tensors."""
-    gguf = pytest.importorskip("gguf")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.ones((96, 64), np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("damage", ["truncated", "header only", "not gguf", "empty"])
 def test_a_damaged_gguf_file_is_named(tmp_path, capsys, damage):
     """Before: numpy's "cannot reshape array of size ...", a struct error or "cannot mmap an empty file"."""
-    path = small_gguf(tmp_path / "src" / "model.gguf")
+    path = gguf_file(tmp_path / "src" / "model.gguf")
     data = path.read_bytes()
     path.write_bytes({"truncated": data[: len(data) * 3 // 5], "header only": data[:100], "empty": b"",
                       "not gguf": bytes(range(256)) * 40}[damage])
@@ -284,7 +269,7 @@ def test_a_damaged_gguf_file_is_named(tmp_path, capsys, damage):
 
 
 def test_a_gguf_file_outside_src_is_refused(tmp_path, capsys):
-    outside = small_gguf(tmp_path / "elsewhere" / "model.gguf")
+    outside = gguf_file(tmp_path / "elsewhere" / "model.gguf")
     (tmp_path / "src").mkdir()
     assert main(["from-hf", str(tmp_path / "src"), str(tmp_path / "out"), "--gguf-file", str(outside)]) == 2
     assert (f"--gguf-file {outside} lies outside SRC {tmp_path / 'src'}; give the folder that holds it as SRC and its "

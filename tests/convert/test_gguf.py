@@ -4,13 +4,13 @@ reading_gguf: transformers' loading of a GGUF file, bit for bit, with the file p
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.gguf import reading_gguf
+from tests.helpers.checkpoints import gguf_file
 
 
 @pytest.mark.slow
@@ -31,42 +31,6 @@ def test_a_gguf_file_converts_exactly(smollm2, smollm2_reference):
 
 
 # ---------------------------------------------------------------- reading_gguf: transformers' loading, parsed once
-
-
-def tiny_gguf(path, seed=0, vocab=96, hidden=64, ffn=128, heads=4, kv_heads=2, blocks=2):
-    """A small Llama GGUF file transformers loads whole: metadata, a byte-level vocabulary and float32 weights."""
-    gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(blocks)
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(33 + i) for i in range(vocab - 2)] + ['!"', "<|end|>"])
-    writer.add_token_types([1] * vocab)
-    writer.add_token_merges(['! "'])
-    writer.add_bos_token_id(vocab - 1)
-    writer.add_eos_token_id(vocab - 1)
-    rng = np.random.default_rng(seed)
-    kv = hidden // heads * kv_heads
-    shapes = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,)}
-    for i in range(blocks):
-        shapes |= {f"blk.{i}.{name}": shape for name, shape in [
-            ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
-            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
-            ("ffn_down", (hidden, ffn)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]}
-    for name, shape in shapes.items():
-        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def load(folder, name):
@@ -105,7 +69,7 @@ def counting(monkeypatch):
 
 
 def test_reading_gguf_loads_what_transformers_loads_parsing_the_file_once(tmp_path, monkeypatch):
-    tiny_gguf(tmp_path / "model.gguf")
+    gguf_file(tmp_path / "model.gguf")
     calls = counting(monkeypatch)
     plain = load(tmp_path, "model.gguf")
     assert calls["reader"] == 3 and calls["names"] > 10  # config, weights, tokenizer; a table per submodule
@@ -120,10 +84,10 @@ def test_reading_gguf_reads_a_replaced_file_anew_and_restores_gguf(tmp_path):
     import gguf
 
     reader_class, name_table = gguf.GGUFReader, gguf.get_tensor_name_map
-    tiny_gguf(tmp_path / "model.gguf", seed=0)
+    gguf_file(tmp_path / "model.gguf", seed=0)
     with pytest.raises(RuntimeError, match="stopped"), reading_gguf():
         first = load(tmp_path, "model.gguf")
-        os.replace(tiny_gguf(tmp_path / "other.gguf", seed=1), tmp_path / "model.gguf")
+        os.replace(gguf_file(tmp_path / "other.gguf", seed=1), tmp_path / "model.gguf")
         second = load(tmp_path, "model.gguf")
         raise RuntimeError("stopped")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_table)

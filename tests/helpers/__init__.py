@@ -5,7 +5,7 @@ sys.path for the `tests` package; subprocesses get it through PYTHONPATH, see pr
                tiny BPE tokenizer, and a tiny checkpoint folder (`make_model_dir`)
 - decoding:    left-padded prompt batches, and verified decoding's reference (`ar_greedy`)
 - checkpoints: folders the converters and loaders read: damaged weights, the LLaDA / Dream / LLaDA2 source layouts,
-               a LoRA adapter
+               a LoRA adapter, a small GGUF file transformers loads (`gguf_file`)
 - training:    a small corpus, fast training overrides, an in-process training run, teacher records
 - processes:   subprocesses in the repository root (`run_cli`, `python`), the deepspeed launcher, a free port
 - bf16:        the bf16 cache check shared by the bf16 decoding and training tests

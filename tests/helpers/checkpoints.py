@@ -1,9 +1,11 @@
 """Checkpoint folders the converters and loaders read: damaged weights, the source layouts of LLaDA, Dream and
-LLaDA 2 (tiny synthetic checkpoints with the exact tensor names, shapes and config.json fields of each), and a LoRA
-adapter of an R2LM folder."""
+LLaDA 2 (tiny synthetic checkpoints with the exact tensor names, shapes and config.json fields of each), a LoRA
+adapter of an R2LM folder, and a small GGUF file."""
 
 import json
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -164,3 +166,41 @@ def make_adapter(base_dir, out, r=4, targets=("q_proj", "k_proj", "v_proj", "o_p
                 param.normal_(std=0.05)
     model.save_pretrained(str(out))
     return out
+
+
+def gguf_file(path, seed=0, vocab=96, hidden=64, ffn=128, heads=4, kv_heads=2, blocks=2):
+    """A small Llama GGUF file (llama.cpp's format) that transformers loads whole: metadata, a byte-level vocabulary
+    and float32 weights drawn from `seed`."""
+    gguf = pytest.importorskip("gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(blocks)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(33 + i) for i in range(vocab - 2)] + ['!"', "<|end|>"])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_eos_token_id(vocab - 1)
+    rng = np.random.default_rng(seed)
+    kv = hidden // heads * kv_heads
+    shapes = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,)}
+    for i in range(blocks):
+        shapes |= {f"blk.{i}.{name}": shape for name, shape in [
+            ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
