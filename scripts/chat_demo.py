@@ -18,7 +18,8 @@ decoder is warmed up once before it is timed, then timed over --passes passes, t
 prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them); after the first
 pass, only the lines within 2x of AR's speed either way are timed again (noise cannot carry the others across AR's;
 a shared machine's first pass can run markedly slower than its second, AR's included, and a narrow band then froze
-lines at their first pass's figures: docs/results.md, "The chat demo's passes"). Prints the answers, then a table of tokens/s, tokens per forward and the ratio to AR.
+lines at their first pass's figures: docs/results.md, "The chat demo's passes"). Prints the answers, then a table
+of tokens/s, tokens per forward and the ratio to AR.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def assert_same(a, b):
 
 def counting(monkeypatch):
     """gguf-py's reader and name table, wrapped to count their calls (transformers looks both up at each load)."""
-    import gguf
+    gguf = pytest.importorskip("gguf")
 
     calls = {"reader": 0, "names": 0}
     reader_class, name_table = gguf.GGUFReader, gguf.get_tensor_name_map
@@ -81,7 +81,7 @@ def test_reading_gguf_loads_what_transformers_loads_parsing_the_file_once(tmp_pa
 
 
 def test_reading_gguf_reads_a_replaced_file_anew_and_restores_gguf(tmp_path):
-    import gguf
+    gguf = pytest.importorskip("gguf")
 
     reader_class, name_table = gguf.GGUFReader, gguf.get_tensor_name_map
     gguf_file(tmp_path / "model.gguf", seed=0)
