@@ -137,6 +137,16 @@ class DrafterConfig(PretrainedConfig):
             raise ValueError(f"target_digest must be a string (target_digest(target)), got {self.target_digest!r}")
         self.stack_config()  # the layers' own checks (heads, RoPE, sidecar shape)
 
+    def check_target(self, target_config) -> None:
+        """Refuse a target of another hidden size, vocabulary or layer count than the one this drafter is made for."""
+        tc = target_config
+        differ = [f"{what} {ours} (the drafter's target) vs {theirs}" for what, ours, theirs in (
+            ("hidden size", self.target_hidden_size, tc.hidden_size),
+            ("vocabulary", self.target_vocab_size, tc.vocab_size),
+            ("layer count", self.target_num_hidden_layers, tc.num_hidden_layers)) if ours != theirs]
+        if differ:
+            raise ValueError(f"this drafter was made for another target: {'; '.join(differ)}")
+
     @property
     def draft_length(self) -> int:
         """Tokens one block drafts: r2lm's layout reads a guess off every column (column j: the token j + 1 past the
@@ -276,13 +286,7 @@ class Drafter(PreTrainedModel):
 
     def check_target(self, target_config) -> None:
         """Refuse a target of another hidden size, vocabulary or layer count than the one the drafter was made for."""
-        config, tc = self.config, target_config
-        differ = [f"{what} {ours} (the drafter's target) vs {theirs}" for what, ours, theirs in (
-            ("hidden size", config.target_hidden_size, tc.hidden_size),
-            ("vocabulary", config.target_vocab_size, tc.vocab_size),
-            ("layer count", config.target_num_hidden_layers, tc.num_hidden_layers)) if ours != theirs]
-        if differ:
-            raise ValueError(f"this drafter was made for another target: {'; '.join(differ)}")
+        self.config.check_target(target_config)
 
     def bind(self, target) -> Drafter:
         """Read the target's embeddings and LM head (shared, not copied into the drafter's weights; the head's draft

@@ -91,8 +91,9 @@ class DrafterSection:
     draft_vocab_size: int = opt(8192, "objective drafter: it drafts from this many of the tokens most frequent in the "
                                 "training replies (0: the whole vocabulary); a smaller LM head costs less per draft")
     init: str = opt("target", "objective drafter: start the drafter's layers from the target's top layers (and its "
-                    "final norm), which already read the target's hidden states; or from random weights",
-                    choices=("target", "random"))
+                    "final norm), which already read the target's hidden states (target); from random weights "
+                    "(random); or go on from a trained drafter's folder (its weights, draft vocabulary and shape: e.g. "
+                    "r2lm/drafters/smollm2-135m-instruct, or a run's final/), to adapt it to other data")
     blocks: int = opt(16, "objective drafter: blocks drawn per training sequence (random anchors in its reply)")
     decay: float = opt(0.8, "objective drafter: loss weight of block column j is decay**j (an early token gates the "
                        "acceptance of every later one)")
@@ -415,6 +416,9 @@ def check_drafter(cfg: TrainConfig) -> None:
         raise ValueError(f"config key drafter.feature_weight must be >= 0, got {section.feature_weight}")
     if not 0 <= section.replay <= 1:
         raise ValueError(f"config key drafter.replay is a share of the blocks, in [0, 1]: got {section.replay}")
+    if section.init not in ("target", "random") and not (resolve_path(section.init) / "config.json").is_file():
+        raise ValueError(f"config key drafter.init is target, random or a drafter's folder (its config.json and "
+                         f"weights); {section.init!r} is none of them")
     if section.draft_vocab_size < 0 or not 0 < section.decay <= 1:
         raise ValueError(f"config keys drafter.draft_vocab_size must be >= 0 and drafter.decay in (0, 1], got "
                          f"{section.draft_vocab_size} and {section.decay}")

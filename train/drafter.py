@@ -1,5 +1,8 @@
 """objective=drafter: a drafter (r2lm.drafter) trained for a frozen target on text it reads.
 
+Start: the target's top layers (drafter.init target), random weights, or a trained drafter's folder, whose weights,
+draft vocabulary and shape the run goes on from (`trained_config`): the shipped drafter adapted to a user's own data.
+
 Data: jsonl records of token ids and the spans the drafter learns to continue: teacher records (train/teacher_data.py
 with --chat: ShareGPT prompts continued by the target, its own greedy replies: `prompt_tokens` marks where the reply
 starts) or fixed-text records (train/fixed_text.py: ShareGPT's conversations as they are, every assistant turn a
@@ -251,3 +254,22 @@ def load_target(model_dir: Path):
     target = R2LMForDiffusionLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
     return target
+
+
+def trained_config(folder: Path, section, target_config):
+    """The DrafterConfig of the trained drafter in `folder` (drafter.init), checked before anything loads: it must be
+    made for a target of this one's shape, and the drafter.* keys that set a shape must agree with it (a run goes on
+    from its weights, so it keeps its shape; feature_layers left unset take the folder's)."""
+    from r2lm.drafter import DrafterConfig
+
+    config = DrafterConfig.from_pretrained(folder)
+    config.check_target(target_config)
+    chosen = section.choices()
+    differ = [f"drafter.{key} {chosen[name]!r} (the folder's: {getattr(config, name)!r})" for key, name in (
+        ("layers", "num_hidden_layers"), ("in_block", "in_block"), ("sidecar", "sidecar"), ("layout", "layout"),
+        ("block_size", "block_size"), ("draft_vocab_size", "draft_vocab_size"), ("feature_layers", "feature_layers"))
+        if name in chosen and chosen[name] != getattr(config, name)]
+    if differ:
+        raise ValueError(f"drafter.init {folder} is a drafter of another shape than the drafter.* keys set: "
+                         f"{'; '.join(differ)}. Set them to the folder's (training goes on from its weights)")
+    return config

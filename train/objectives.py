@@ -178,6 +178,8 @@ class Drafting(Objective):
 
     def check(self, config) -> None:
         from r2lm.drafter import DrafterConfig
+        from train.config import resolve_path
+        from train.drafter import trained_config
 
         cfg = self.cfg
         if cfg.lora.enabled or cfg.freeze_backbone or cfg.complementary:
@@ -186,18 +188,26 @@ class Drafting(Objective):
         if not config.kind.verifiable:
             raise ValueError("a drafter serves verify=True, which needs a causal model with shift prediction and "
                              "softmax layers")
-        self.drafter_config = DrafterConfig.for_target(config, **cfg.drafter.choices())
+        if cfg.drafter.init in ("target", "random"):
+            self.drafter_config = DrafterConfig.for_target(config, **cfg.drafter.choices())
+        else:
+            self.drafter_config = trained_config(resolve_path(cfg.drafter.init), cfg.drafter, config)
         if cfg.data.heldout_fraction:
             raise ValueError("objective drafter reads held-out teacher records from data.heldout, not "
                              "data.heldout_fraction")
 
     def module(self, model_dir: Path, plan):
         from r2lm.drafter import Drafter
+        from train.config import resolve_path
         from train.drafter import FeatureCache
 
         drafter = Drafter(self.drafter_config)
-        drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
-        if self.cfg.drafter.init == "target":
+        init = self.cfg.drafter.init
+        if init in ("target", "random"):
+            drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
+        else:  # its files checked against their checksums, its draft vocabulary kept: it goes on where it stopped
+            drafter.load_state_dict(Drafter.from_pretrained(resolve_path(init)).state_dict())
+        if init == "target":
             drafter.start_from(self.target)
         drafter.bind(self.target)
         section = self.cfg.drafter

@@ -79,6 +79,29 @@ def test_drafter_training_resumes_exactly(trained, inputs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_goes_on_from_a_trained_drafter(trained, inputs, tmp_path):
+    """drafter.init=FOLDER (the shipped drafter adapted to other data): the run starts from the folder's weights and
+    draft vocabulary, so its step-0 evaluation is the one the first run ended with (the same held-out batches),
+    and it trains on, here on other records; a drafter.* key that sets another shape than the folder's is refused,
+    naming it, and so is a folder that holds no drafter."""
+    _, _, _, heldout = inputs
+    last = read_metrics(trained.run_dir, "eval")[-1]
+    on = run_inprocess(drafter_overrides(inputs, tmp_path / "on", f"drafter.init={trained.export_dir}",
+                                         f"data.train={heldout}", "steps=2", "save_every=2", "eval_every=2"))
+    first = read_metrics(on.run_dir, "eval")[0]
+    assert first["step"] == 0 and first["eval_tau"] == last["eval_tau"]
+    assert first["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+    before, after = Drafter.from_pretrained(trained.export_dir), Drafter.from_pretrained(on.export_dir)
+    assert torch.equal(after.draft_ids, before.draft_ids)
+    assert not torch.equal(after.fuse.weight, before.fuse.weight)
+    with pytest.raises(ValueError, match=r"drafter.block_size 8 \(the folder's: 4\)"):
+        run_inprocess(drafter_overrides(inputs, tmp_path / "other", f"drafter.init={trained.export_dir}",
+                                        "drafter.block_size=8"))
+    with pytest.raises(ValueError, match="drafter.init is target, random or a drafter's folder"):
+        run_inprocess(drafter_overrides(inputs, tmp_path / "none", f"drafter.init={tmp_path}"))
+    assert not (tmp_path / "other").exists() and not (tmp_path / "none").exists()
+
+
 def test_held_out_sharegpt_records_never_reach_training(inputs, tmp_path):
     """Records are refused by their ShareGPT conversation id: the split the benchmark's chat prompts come from."""
     _, model, _, _ = inputs
