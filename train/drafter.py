@@ -264,11 +264,9 @@ def trained_config(folder: Path, section, target_config):
 
     config = DrafterConfig.from_pretrained(folder)
     config.check_target(target_config)
-    chosen = section.choices()
-    differ = [f"drafter.{key} {chosen[name]!r} (the folder's: {getattr(config, name)!r})" for key, name in (
-        ("layers", "num_hidden_layers"), ("in_block", "in_block"), ("sidecar", "sidecar"), ("layout", "layout"),
-        ("block_size", "block_size"), ("draft_vocab_size", "draft_vocab_size"), ("feature_layers", "feature_layers"))
-        if name in chosen and chosen[name] != getattr(config, name)]
+    keys = {"num_hidden_layers": "layers"}  # the one drafter.* key not named as its DrafterConfig field
+    differ = [f"drafter.{keys.get(name, name)} {value!r} (the folder's: {getattr(config, name)!r})"
+              for name, value in section.choices().items() if value != getattr(config, name)]
     if differ:
         raise ValueError(f"drafter.init {folder} is a drafter of another shape than the drafter.* keys set: "
                          f"{'; '.join(differ)}. Set them to the folder's (training goes on from its weights)")

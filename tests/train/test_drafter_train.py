@@ -94,9 +94,10 @@ def test_training_goes_on_from_a_trained_drafter(trained, inputs, tmp_path):
     before, after = Drafter.from_pretrained(trained.export_dir), Drafter.from_pretrained(on.export_dir)
     assert torch.equal(after.draft_ids, before.draft_ids)
     assert not torch.equal(after.fuse.weight, before.fuse.weight)
-    with pytest.raises(ValueError, match=r"drafter.block_size 8 \(the folder's: 4\)"):
-        run_inprocess(drafter_overrides(inputs, tmp_path / "other", f"drafter.init={trained.export_dir}",
-                                        "drafter.block_size=8"))
+    for key, message in [("drafter.block_size=8", r"drafter.block_size 8 \(the folder's: 4\)"),
+                         ("drafter.layers=2", r"drafter.layers 2 \(the folder's: 1\)")]:
+        with pytest.raises(ValueError, match=message):
+            run_inprocess(drafter_overrides(inputs, tmp_path / "other", f"drafter.init={trained.export_dir}", key))
     with pytest.raises(ValueError, match="drafter.init is target, random or a drafter's folder"):
         run_inprocess(drafter_overrides(inputs, tmp_path / "none", f"drafter.init={tmp_path}"))
     assert not (tmp_path / "other").exists() and not (tmp_path / "none").exists()
