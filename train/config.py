@@ -75,6 +75,9 @@ class CertaintySection:
                              "minimised where the argmax is already right (dParallel: 0.5)")
 
 
+FRESH_DRAFTERS = ("target", "random")  # drafter.init values that make a new drafter; any other is a drafter's folder
+
+
 @dataclass
 class DrafterSection:
     layers: int = opt(1, "objective drafter: decoder layers of the drafter (of the target's width)")
@@ -416,7 +419,7 @@ def check_drafter(cfg: TrainConfig) -> None:
         raise ValueError(f"config key drafter.feature_weight must be >= 0, got {section.feature_weight}")
     if not 0 <= section.replay <= 1:
         raise ValueError(f"config key drafter.replay is a share of the blocks, in [0, 1]: got {section.replay}")
-    if section.init not in ("target", "random") and not (resolve_path(section.init) / "config.json").is_file():
+    if section.init not in FRESH_DRAFTERS and not (resolve_path(section.init) / "config.json").is_file():
         raise ValueError(f"config key drafter.init is target, random or a drafter's folder (its config.json and "
                          f"weights); {section.init!r} is none of them")
     if section.draft_vocab_size < 0 or not 0 < section.decay <= 1:

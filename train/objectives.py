@@ -178,7 +178,7 @@ class Drafting(Objective):
 
     def check(self, config) -> None:
         from r2lm.drafter import DrafterConfig
-        from train.config import resolve_path
+        from train.config import FRESH_DRAFTERS, resolve_path
         from train.drafter import trained_config
 
         cfg = self.cfg
@@ -188,7 +188,7 @@ class Drafting(Objective):
         if not config.kind.verifiable:
             raise ValueError("a drafter serves verify=True, which needs a causal model with shift prediction and "
                              "softmax layers")
-        if cfg.drafter.init in ("target", "random"):
+        if cfg.drafter.init in FRESH_DRAFTERS:
             self.drafter_config = DrafterConfig.for_target(config, **cfg.drafter.choices())
         else:
             self.drafter_config = trained_config(resolve_path(cfg.drafter.init), cfg.drafter, config)
@@ -198,12 +198,12 @@ class Drafting(Objective):
 
     def module(self, model_dir: Path, plan):
         from r2lm.drafter import Drafter
-        from train.config import resolve_path
+        from train.config import FRESH_DRAFTERS, resolve_path
         from train.drafter import FeatureCache
 
         drafter = Drafter(self.drafter_config)
         init = self.cfg.drafter.init
-        if init in ("target", "random"):
+        if init in FRESH_DRAFTERS:
             drafter.draft_ids.copy_(self.vocabulary(len(drafter.draft_ids)))
         else:  # its files checked against their checksums, its draft vocabulary kept: it goes on where it stopped
             drafter.load_state_dict(Drafter.from_pretrained(resolve_path(init)).state_dict())
