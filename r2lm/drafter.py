@@ -399,17 +399,23 @@ class Drafter(PreTrainedModel):
         """Logits over the draft vocabulary [..., draft vocab]."""
         return self.product(h, self._bound().rows)
 
-    @torch.no_grad()
-    def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
-        """Target token ids [B, config.draft_length] drafted after the context and the opener token [B] (the last
-        committed one): column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the
-        drafter's probability of each guess). The context is read, not changed."""
+    def draft_logits(self, context: DraftContext, openers: torch.Tensor) -> torch.Tensor:
+        """Logits [B, config.draft_length, draft vocab] of the block drafted after the context and the opener token
+        [B] (the last committed one): column j's for the token j + 1 positions after it. The context is read, not
+        changed."""
         b, cache = self.config.block_size, context.kv
         layout = Layout.span(torch.ones(openers.shape[0], b, dtype=torch.long, device=openers.device),
                              start=cache.next_position, noisy=True, chunk=1)
         plan = plan_of(self.stack, self.rotary_emb, layout, cache, like=self.fuse.weight)
         h = self.hidden(self.block_inputs(openers, context.last, b), plan, cache)
-        logits = self.logits(h[:, b - self.config.draft_length:])
+        return self.logits(h[:, b - self.config.draft_length:])
+
+    @torch.no_grad()
+    def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
+        """Target token ids [B, config.draft_length] drafted after the context and the opener token [B] (the last
+        committed one): column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the
+        drafter's probability of each guess). The context is read, not changed."""
+        logits = self.draft_logits(context, openers)
         if not confidence:
             return self.draft_ids[logits.argmax(-1)]
         p, guess = logits.float().softmax(-1).max(-1)
@@ -418,9 +424,11 @@ class Drafter(PreTrainedModel):
     # ------------------------------------------------------------------ training
 
     def forward(self, captured, ids, valid, reply, blocks: int, generator=None, decay: float = 0.8,
-                feature_weight: float = 0.0, distill: bool = False, replay: float = 0.0) -> DraftLoss:
+                feature_weight: float = 0.0, distill: bool = False, replay: float = 0.0,
+                conditional: bool = False) -> DraftLoss:
         """The drafting loss (`loss`): what a DeepSpeed engine around the drafter calls."""
-        return self.loss(captured, ids, valid, reply, blocks, generator, decay, feature_weight, distill, replay)
+        return self.loss(captured, ids, valid, reply, blocks, generator, decay, feature_weight, distill, replay,
+                         conditional)
 
     def draft_index(self) -> torch.Tensor:
         """[target vocabulary]: each target token's row in the draft vocabulary, -1 for the tokens outside it."""
@@ -429,10 +437,10 @@ class Drafter(PreTrainedModel):
 
     def loss(self, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
              generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
-             distill: bool = False, replay: float = 0.0) -> DraftLoss:
+             distill: bool = False, replay: float = 0.0, conditional: bool = False) -> DraftLoss:
         """The drafting loss of a batch of text (DFlash's recipe): r2lm.drafter_loss.drafting_loss says what it is."""
         return drafting_loss(self, self._bound(), captured, ids, valid, reply, blocks, generator, decay, feature_weight,
-                             distill, replay)
+                             distill, replay, conditional)
 
 
 @dataclass

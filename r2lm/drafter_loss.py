@@ -31,7 +31,7 @@ class DraftLoss(Loss):
 
 def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tensor, reply: torch.Tensor, blocks: int,
                   generator: torch.Generator | None = None, decay: float = 0.8, feature_weight: float = 0.0,
-                  distill: bool = False, replay: float = 0.0) -> DraftLoss:
+                  distill: bool = False, replay: float = 0.0, conditional: bool = False) -> DraftLoss:
     """The drafting loss of a batch of text for `drafter` (an r2lm.drafter.Drafter) reading `bound` (its target's
     embeddings and LM head rows, r2lm.drafter.Bound).
 
@@ -49,6 +49,13 @@ def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tens
     With `feature_weight` > 0 (and the target's last layer among the feature layers), EAGLE's dense supervision
     too: column j's last hidden state, normalised, regresses onto the target's own last-layer state at x_{a+j}
     (normalised: what its LM head reads to predict x_{a+j+1}), squared error per dimension, weighted the same.
+
+    With `conditional`, column j counts only in blocks whose guesses before it are all right (the gate is the
+    drafter's own argmax, no gradient through it): verification reads a guess only then. A block's columns, drafted
+    in one pass, otherwise each learn the token likeliest at their position whatever comes before it, and two
+    likeliest tokens need not follow each other (docs/results.md measures how often the shipped drafter's second
+    guess is right after a right first one); gated, column j learns what follows the guesses before it when they are
+    right, which is what acceptance counts.
 
     In the "dflash" layout the opener's column guesses nothing and column j >= 1 guesses x_{a+j} (weighted
     decay^(j-1)): DFlash's [MASK] columns predict their own tokens.
@@ -123,7 +130,8 @@ def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tens
         blocks_used = used.sum().clamp(min=1)
         tau = ((leading + 1).clamp(max=b) * used).sum() / blocks_used
         first_right = (right.view(batch, count, b)[..., skip] & used).sum().float() / blocks_used
-        return Blocks(anchors, used, h, logits, target_at, source, scored, soft, greedy, leading, tau, first_right)
+        return Blocks(anchors, used, h, logits, target_at, source, scored, soft, greedy, right, leading, tau,
+                      first_right)
 
     allowed = torch.zeros_like(reply)
     allowed[:, :-1] = reply[:, 1:]  # the block's first guess is a reply token
@@ -141,6 +149,10 @@ def drafting_loss(drafter, bound, captured, ids: torch.Tensor, valid: torch.Tens
         ce = F.cross_entropy(out.logits.flatten(0, 1), index[out.greedy].clamp(min=0).flatten(),
                              reduction="none").view(batch, -1)
     weight = (decay ** (offsets - skip).clamp(min=0).float()).repeat(count)[None, :] * out.scored
+    if conditional:  # column j where the guesses before it are right: 1 for the first guess, then their running product
+        right = out.right.view(batch, count, b).long()
+        before = torch.cat([torch.ones_like(right[..., : skip + 1]), right[..., skip:-1].cumprod(-1)], -1)
+        weight = weight * before.flatten(1)
     scored_count = int(out.scored.sum())
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if feature_weight > 0 and top is not None:
@@ -167,6 +179,7 @@ class Blocks:
     scored: torch.Tensor  # [B, n * b] the columns the loss scores
     soft: torch.Tensor | None  # distillation: the target's distribution over the draft vocabulary at each column
     greedy: torch.Tensor  # [B, n * b] the target's greedy token each column is judged against
+    right: torch.Tensor  # [B, n * b] the scored columns whose guess is that token
     leading: torch.Tensor  # [B, n] each block's right leading guesses
     tau: torch.Tensor  # tokens a verification of these blocks would commit, on average
     first_right: torch.Tensor  # share of blocks whose first guess is right

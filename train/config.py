@@ -104,6 +104,9 @@ class DrafterSection:
                         "the next block after one drafted at a random anchor (right after the drafter's first wrong "
                         "guess: Draft-OPD's replay of its own errors, for a curve that has flattened); costs a forward "
                         "of the drafter without gradients per step")
+    conditional: bool = opt(False, "objective drafter: column j's loss counts only in blocks whose guesses before it are "
+                            "right (verification reads it only then): the columns of a block learn to follow each "
+                            "other's guesses rather than each its own likeliest token")
     feature_weight: float = opt(1.0, "objective drafter: weight of the regression of each block column's last hidden "
                                 "state onto the target's own (EAGLE's dense supervision; needs the target's last layer "
                                 "among feature_layers); 0 = cross-entropy alone")

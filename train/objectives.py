@@ -267,7 +267,8 @@ class Drafting(Objective):
         return engine(captured, batch["ids"].to(engine.device), batch["valid"].to(engine.device),
                       batch["reply"].to(engine.device), section.blocks, generator, section.decay,
                       section.feature_weight, section.distill,
-                      section.replay if torch.is_grad_enabled() else 0.0)  # evaluation: the random anchors alone
+                      section.replay if torch.is_grad_enabled() else 0.0,  # evaluation: the random anchors alone
+                      section.conditional)
 
     def write_extras(self, folder: Path, engine, plan, model_dir: Path, export_dtype: str) -> None:
         engine.module.config.save_pretrained(folder)

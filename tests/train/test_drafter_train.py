@@ -126,12 +126,27 @@ def test_bf16_training_runs_beside_a_float32_target(inputs, tmp_path):
 
 def test_replay_of_the_drafters_errors_trains(inputs, tmp_path):
     """drafter.replay through the training program: a run with half its blocks replayed trains (finite losses) and
-    evaluates on random anchors alone (r2lm.drafter_loss, `replay`; tests/generation/test_drafter_replay.py)."""
+    evaluates on random anchors alone (r2lm.drafter_loss, `replay`; tests/generation/test_drafter_loss.py)."""
     result = run_inprocess(drafter_overrides(inputs, tmp_path / "replay", "drafter.replay=0.5", "steps=2",
                                              "save_every=2", "eval_every=2"))
     rows = read_metrics(result.run_dir, "train")
     assert len(rows) == 2 and all(r["loss"] == r["loss"] and 1 <= r["tau"] for r in rows)
     assert [r["step"] for r in read_metrics(result.run_dir, "eval")] == [0, 2]
+
+
+def test_conditional_columns_reach_the_training_loss(inputs, tmp_path):
+    """drafter.conditional through the training program: at step 0 (the same weights) the held-out loss is another
+    (columns after a wrong guess left out) and the acceptance measured the same (r2lm.drafter_loss, `conditional`;
+    tests/generation/test_drafter_loss.py)."""
+    evals = {}
+    for conditional in ("false", "true"):
+        result = run_inprocess(drafter_overrides(inputs, tmp_path / conditional, f"drafter.conditional={conditional}",
+                                                 "steps=1", "save_every=1", "eval_every=1"))
+        evals[conditional] = read_metrics(result.run_dir, "eval")[0]
+    plain, conditional = evals["false"], evals["true"]
+    assert plain["step"] == conditional["step"] == 0
+    assert plain["eval_tau"] == conditional["eval_tau"] and plain["eval_first_right"] == conditional["eval_first_right"]
+    assert plain["eval_loss"] != conditional["eval_loss"]
 
 
 @pytest.mark.parametrize("extra, message", [(["lora.enabled=true"], "lora, freeze_backbone and complementary"),

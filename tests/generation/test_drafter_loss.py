@@ -1,9 +1,15 @@
-"""Replay of the drafter's own errors (r2lm.drafter_loss, `replay`): the first pass judges each block as decoding's
-verification would (checked against the drafter's own decode-time draft), the replayed blocks open exactly where
-decoding would open the next block, and the first pass leaves the loss of the blocks it does not move unchanged."""
+"""The drafting loss's options (r2lm.drafter_loss).
+
+Replay of the drafter's own errors (`replay`): the first pass judges each block as decoding's verification would
+(checked against the drafter's own decode-time draft), the replayed blocks open exactly where decoding would open the
+next block, and the first pass leaves the loss of the blocks it does not move unchanged.
+
+Conditional columns (`conditional`): the loss weighs each column by whether the guesses before it are right,
+against a reimplementation of that rule over the blocks' logits, which are the decode path's."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from r2lm import drafter_loss, generate
 from tests.generation.test_drafter import trained
@@ -13,17 +19,32 @@ PROMPT = 6  # the trained drafter's text: 6 prompt tokens, then the target's gre
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(a drafter trained a few dozen steps, the target's greedy text, its features, valid, reply)"""
-    _, target = tiny_conversion(tmp_path_factory.mktemp("replay"), "qwen3", sidecar_layers=[])
-    drafter = trained(target)
-    # the start of its training text (tests.generation.test_drafter.trained): drafts accepted whole, in part, not at all
-    text = torch.randint(0, MASK_ID - 1, (16, PROMPT), generator=torch.Generator().manual_seed(2))[:4]
-    text = generate(target, text, max_new_tokens=40, block_size=1, eos_token_id=[]).sequences
+def models(tmp_path_factory):
+    """(the target, a drafter trained a few dozen steps on its greedy text)"""
+    _, target = tiny_conversion(tmp_path_factory.mktemp("drafter_loss"), "qwen3", sidecar_layers=[])
+    return target, trained(target)
+
+
+def greedy_text(models, rows: int = 4) -> torch.Tensor:
+    """The target's greedy text after the first `rows` prompts of its drafter's training text
+    (tests.generation.test_drafter.trained): drafts accepted whole, in part, not at all."""
+    target, _ = models
+    text = torch.randint(0, MASK_ID - 1, (16, PROMPT), generator=torch.Generator().manual_seed(2))[:rows]
+    return generate(target, text, max_new_tokens=40, block_size=1, eos_token_id=[]).sequences
+
+
+def batch_of(models, text: torch.Tensor):
+    """(drafter, text, the target's features over it, valid, reply)"""
+    target, drafter = models
     with torch.no_grad():
         captured = target.model(text, capture=tuple(drafter.config.feature_layers)).captured
     valid, reply = torch.ones_like(text), torch.arange(text.shape[1]).expand_as(text) >= PROMPT
     return drafter.train(), text, captured, valid, reply
+
+
+@pytest.fixture(scope="module")
+def setup(models):
+    return batch_of(models, greedy_text(models))
 
 
 def loss(setup, replay, seed=0, spy=None):
@@ -103,3 +124,59 @@ def test_the_first_pass_changes_nothing_it_does_not_move(setup):
     assert torch.equal(half.tau, plain.tau) and torch.equal(half.first_right, plain.first_right)
     assert not torch.equal(half.loss, plain.loss)
     assert all(torch.isfinite(g).all() for g in half_grads) and any(g.abs().sum() > 0 for g in half_grads)
+
+
+def test_conditional_columns_count_where_the_guesses_before_them_are_right(models, monkeypatch):
+    """Every reply anchor's block (as many blocks as anchors): the blocks' logits are the decode path's
+    (Drafter.draft_logits from the same context and opener), and the loss is, recomputed block by block from them,
+    the mean of column j's cross-entropy against the text's token (the target's own greedy reply) weighted by
+    decay**j, where every guess before column j is that token. Unconditional, the same blocks weigh every column.
+    Every fifth reply token is replaced by another token of the draft vocabulary, so that the drafter, which knows
+    the text, guesses wrong at the first column of some blocks and at a later one of others."""
+    _, drafter = models
+    text = greedy_text(models)
+    changed = text[:, PROMPT + 2 :: 5]
+    index = drafter.draft_index()
+    text[:, PROMPT + 2 :: 5] = drafter.draft_ids[(index[changed] + 1) % len(drafter.draft_ids)]
+    drafter, text, captured, valid, reply = batch_of(models, text)
+    b, decay = drafter.config.block_size, 0.8
+    anchors = list(range(PROMPT - 1, text.shape[1] - 1))  # every position whose next token is a reply token
+    read, original = [], drafter_loss.Blocks
+    monkeypatch.setattr(drafter_loss, "Blocks", lambda *fields: read.append(original(*fields)) or read[-1])
+    losses = {}
+    with torch.no_grad():
+        for conditional in (True, False):
+            losses[conditional] = drafter.loss(captured, text, valid, reply, blocks=len(anchors), decay=decay,
+                                               generator=torch.Generator().manual_seed(0), conditional=conditional).loss
+    blocks = read[0]
+    assert blocks.used.all() and sorted(blocks.anchors[0].tolist()) == anchors
+    totals = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    after_wrong = first_wrong = 0  # scored columns after a wrong guess; wrong guesses after right ones (column >= 1)
+    for row in range(text.shape[0]):
+        for n, anchor in enumerate(blocks.anchors[row].tolist()):
+            logits = blocks.logits[row, n * b : (n + 1) * b]
+            with torch.no_grad():
+                context = drafter.new_context(1, anchor + 2 * b)
+                drafter.append(context, [h[row : row + 1, :anchor] for h in captured])
+                decoded = drafter.draft_logits(context, text[row : row + 1, anchor])[0]
+            torch.testing.assert_close(logits, decoded.float(), rtol=1e-4, atol=1e-4)
+            before_right = True
+            for j in range(b):
+                at = anchor + 1 + j
+                label = index[text[row, at]] if at < text.shape[1] else -1
+                if label < 0:  # past the text, or a token the draft vocabulary lacks: not scored, never right
+                    before_right = False
+                    continue
+                ce = float(F.cross_entropy(logits[j], label))
+                for conditional, total in totals.items():
+                    w = decay**j * (before_right or not conditional)
+                    total[0] += w * ce
+                    total[1] += w
+                right = bool(logits[j].argmax() == label)
+                after_wrong += not before_right
+                first_wrong += j > 0 and before_right and not right
+                before_right = before_right and right
+    assert after_wrong > 0 and first_wrong > 0  # the two cases where the weights differ
+    for conditional, (weighted, weight) in totals.items():
+        torch.testing.assert_close(float(losses[conditional]), weighted / weight, rtol=1e-5, atol=0)
+    assert not torch.isclose(losses[True], losses[False])
