@@ -129,10 +129,10 @@ def test_the_first_pass_changes_nothing_it_does_not_move(setup):
 def test_conditional_columns_count_where_the_guesses_before_them_are_right(models, monkeypatch):
     """Every reply anchor's block (as many blocks as anchors): the blocks' logits are the decode path's
     (Drafter.draft_logits from the same context and opener), and the loss is, recomputed block by block from them,
-    the mean of column j's cross-entropy against the text's token (the target's own greedy reply) weighted by
-    decay**j, where every guess before column j is that token. Unconditional, the same blocks weigh every column.
-    Every fifth reply token is replaced by another token of the draft vocabulary, so that the drafter, which knows
-    the text, guesses wrong at the first column of some blocks and at a later one of others."""
+    the mean of column j's cross-entropy against the text's token weighted by decay**j, where every guess before
+    column j is the text's token. Unconditional, the same blocks weigh every column. The text is the drafter's
+    training text with every fifth reply token replaced by another token of the draft vocabulary: the drafter
+    guesses wrong at the first column of some blocks and at a later one of others."""
     _, drafter = models
     text = greedy_text(models)
     changed = text[:, PROMPT + 2 :: 5]
