@@ -85,6 +85,7 @@ from eval.machine import describe, linear_orders, name_of, packages
 from r2lm import R2LMForDiffusionLM
 from r2lm.drafter import target_digest
 from r2lm.generation.policy import POLICIES
+from r2lm.generation.verify import MAX_SIBLINGS, SIBLINGS
 from r2lm.ops.linear import Tuner, install
 from r2lm.workloads import CATEGORIES
 
@@ -180,7 +181,7 @@ def load_setup(args) -> Setup:
 # each part's settings: what its figures depend on (kept with the part, so --update can keep it beside others)
 PART_SETTINGS = {
     "speed": ("categories", "speed_prompts", "max_prompt_tokens", "batch_sizes", "new_tokens", "block_size", "repeats",
-              "threads", "policies", "untrained", "vllm"),
+              "threads", "policies", "siblings", "untrained", "vllm"),
     "humaneval": ("humaneval_problems", "humaneval_new_tokens", "humaneval_batch_size", "execution_timeout",
                   "threshold", "threshold_model", "block_size", "threads"),
     "curve": ("categories", "curve_prompts", "curve_points", "max_prompt_tokens", "new_tokens", "threads"),
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=["adaptive"],
                         help="verify_policy of every verified decoder: the first one's rows are named plainly, the "
                              "others' suffixed (verify:lookup@longest)")
+    parser.add_argument("--siblings", type=int, nargs="+", default=[SIBLINGS], metavar="K",
+                        help="verify_siblings of every drafter's decoders: the first count's rows are named plainly, "
+                             f"the others' suffixed (verify:lookup+NAME/s0); default {SIBLINGS}, the library's")
     parser.add_argument("--untrained", action="store_true",
                         help="also the drafts of untrained drafters: the target's own window (verify:window) and a "
                              "freshly initialised drafter (verify:fresh, verify:lookup+fresh)")
@@ -319,6 +323,8 @@ def check_args(parser, args) -> None:
         parser.error(f"--update keeps the parts of {args.out / 'lossless.json'}, which does not exist")
     if len(set(args.policies)) != len(args.policies):
         parser.error(f"--policies lists a policy twice: {args.policies}")
+    if len(set(args.siblings)) != len(args.siblings) or not all(0 <= k <= MAX_SIBLINGS for k in args.siblings):
+        parser.error(f"--siblings takes distinct counts in [0, {MAX_SIBLINGS}], got {args.siblings}")
     if args.results_md is None and args.out.resolve() == DEFAULT_OUT.resolve():
         args.results_md = DEFAULT_RESULTS_MD
     for what, path, folder in (("--out", args.out, True), ("--results-md", args.results_md, False)):

@@ -18,9 +18,10 @@ from r2lm.generation.costs import measured_tables
 logger = logging.getLogger("eval.lossless_speed")
 
 
-def speed_decoders(s, block_size: int, policies: list[str], untrained: bool) -> dict:
+def speed_decoders(s, block_size: int, policies: list[str], untrained: bool, siblings: list[int] = (3,)) -> dict:
     """name -> (decode(ids, mask, n), batch 1 only). Every verified decoder once per policy: the first plain
-    (verify:lookup), the others suffixed (verify:lookup@longest)."""
+    (verify:lookup), the others suffixed (verify:lookup@longest); a drafter's once per `siblings` count
+    (verify_siblings): the first plain, the others suffixed (verify:lookup+NAME/s0)."""
     decoders = {"ar": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
                 "ar_again": (r2lm_decoder(s.plain, s.eos, s.pad, block_size=1), False),
                 "transformers": (transformers_decoder(s.hf, s.eos, s.pad), False),
@@ -33,7 +34,9 @@ def speed_decoders(s, block_size: int, policies: list[str], untrained: bool) -> 
     for name, drafter in s.drafters.items():
         for draft in ("drafter", "lookup+drafter"):
             key = f"verify:{name}" if draft == "drafter" else f"verify:lookup+{name}"
-            verified[key] = (s.target, dict(drafter=drafter, verify_draft=draft))
+            for j, k in enumerate(siblings):
+                verified[key if j == 0 else f"{key}/s{k}"] = (s.target, dict(drafter=drafter, verify_draft=draft,
+                                                                             verify_siblings=k))
     for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
         verified[f"verify:{name}"] = (model, dict(verify_draft="window"))
     for i, policy in enumerate(policies):
@@ -112,7 +115,7 @@ def total(entries: list[dict]) -> dict:
 def measure_speed(s, prompts: dict, args, settings: dict) -> dict:
     """tokens/s, τ and output checks of every decoder per category and batch size (eval/lossless_bench.py's
     docstring); `s`: the benchmark's Setup."""
-    decoders = speed_decoders(s, args.block_size, args.policies, args.untrained)
+    decoders = speed_decoders(s, args.block_size, args.policies, args.untrained, args.siblings)
     prompts = {c: ps[: args.speed_prompts] for c, ps in prompts.items()}  # (more were read for the curve)
     dflash = [(name, path) for name, path in args.drafter if s.drafters[name].config.layout == "dflash"]
     peers = bench_rows(args.target, dflash, prompts, args, s.eos) if args.vllm else {}

@@ -134,6 +134,17 @@ class KVCache:
         start = self._length + num_tokens
         return self._valid[:, start : self._stale_end] if self._stale_end > start else None
 
+    def relocate(self, into: int, source: torch.Tensor) -> None:
+        """Before `advance`: in each row r, the keys and values just written at scratch column source[r] replace
+        those at scratch column `into` (verification's accepted sibling takes its trunk column's place, so that what
+        is committed stays one run of columns; a row whose source is `into` keeps its own)."""
+        index = (self._length + source).view(-1, 1, 1, 1)
+        for buffers in (self.key, self.value):
+            for t in buffers:
+                if t is not None:
+                    moved = t.gather(2, index.expand(-1, t.shape[1], 1, t.shape[3]))
+                    t[:, :, self._length + into] = moved[:, :, 0]
+
     def advance(self, valid: torch.Tensor | int) -> None:
         """Commit the columns just written: valid [B, T] marks real tokens (False for padding), or an int T when
         all of them are real."""

@@ -411,15 +411,21 @@ class Drafter(PreTrainedModel):
         return self.logits(h[:, b - self.config.draft_length:])
 
     @torch.no_grad()
-    def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False):
+    def draft(self, context: DraftContext, openers: torch.Tensor, confidence: bool = False, siblings: int = 0):
         """Target token ids [B, config.draft_length] drafted after the context and the opener token [B] (the last
         committed one): column j is the guess for the token j + 1 positions after it; with `confidence`, (ids, the
-        drafter's probability of each guess). The context is read, not changed."""
+        drafter's probability of each guess), and with `siblings` = k also the first column's next k likeliest
+        tokens [B, k] and their probabilities (what verification may try beside the first guess). The context is
+        read, not changed."""
         logits = self.draft_logits(context, openers)
         if not confidence:
             return self.draft_ids[logits.argmax(-1)]
-        p, guess = logits.float().softmax(-1).max(-1)
-        return self.draft_ids[guess], p
+        probs = logits.float().softmax(-1)
+        p, guess = probs.max(-1)
+        if not siblings:
+            return self.draft_ids[guess], p
+        runner_up, index = probs[:, 0].topk(siblings + 1, -1)
+        return self.draft_ids[guess], p, self.draft_ids[index[:, 1:]], runner_up[:, 1:]
 
     # ------------------------------------------------------------------ training
 

@@ -16,7 +16,9 @@ The attention mask and the sidecar's scope are both derived from it, so training
 - columns already in a KV cache are clean and belong to earlier chunks: every column sees them (unless the
   cache's columns have a layout of their own, which the predicate reads as well: `anchored_blocks`);
 - a kind with a window (r2lm.kind.Attention.window) hides every key that many positions or more before the query,
-  cached ones included.
+  cached ones included;
+- a column on a branch (`branches` > 0: verification's siblings, r2lm.generation.verify) is seen by the columns of
+  its own branch alone: the other candidates for the same position and everything after it never read it.
 
 The attention kinds are the rows of r2lm.kind.ATTENTION; the predicate below evaluates their rules.
 
@@ -41,6 +43,7 @@ class Layout:
     valid: torch.Tensor | None = None  # bool [B, T]: False for padding; None when every column is real
     # The windows' columns when the builder knows them (see `windows`); None: derived from noisy and chunks.
     window_columns: torch.Tensor | slice | None = None
+    branches: torch.Tensor | None = None  # long [T]: 0 (the trunk) or a branch seen only by itself; None: all trunk
 
     def __post_init__(self):
         T = self.chunks.shape[-1]
@@ -51,6 +54,8 @@ class Layout:
             )
         if self.valid is not None and (self.valid.dim() != 2 or self.valid.shape[1] != T):
             raise ValueError(f"layout valid mask {tuple(self.valid.shape)} does not match {T} columns")
+        if self.branches is not None and self.branches.shape != (T,):
+            raise ValueError(f"layout branches {tuple(self.branches.shape)} do not match {T} columns")
 
     @property
     def length(self) -> int:
@@ -106,6 +111,10 @@ class Layout:
         if any(lay.valid is not None for lay in layouts):
             valid = torch.cat([lay.valid_mask(batch) for lay in layouts], dim=1)
         per_row = any(lay.chunks.dim() == 2 for lay in layouts)
+        branches = None
+        if any(lay.branches is not None for lay in layouts):
+            branches = torch.cat([torch.zeros_like(lay.noisy, dtype=torch.long) if lay.branches is None else lay.branches
+                                  for lay in layouts])
         windows, offset = [], 0
         for lay in layouts:  # each part's windows, moved to where the part starts
             part = lay.windows
@@ -121,6 +130,7 @@ class Layout:
             valid=valid,
             window_columns=windows[0] if len(windows) == 1 and isinstance(windows[0], slice) else
             _right_aligned(windows, layouts[0].noisy.device) if windows else slice(0, 0),
+            branches=branches,
         )
 
     def select_rows(self, keep: torch.Tensor) -> Layout:
@@ -131,6 +141,7 @@ class Layout:
             noisy=self.noisy,
             valid=None if self.valid is None else self.valid[keep],
             window_columns=self.window_columns,
+            branches=self.branches,
         )
 
     def valid_mask(self, batch: int) -> torch.Tensor:
@@ -169,6 +180,10 @@ class Layout:
         key_stream = table(torch.where(real, stream, -1), -1)  # padding keys are in no stream
         clean_key = table(~self.noisy & real, False)
         padding_query = table(~real, False) if self.valid is not None else None
+        branch = None if self.branches is None else table(self.branches[None], 0)
+
+        def on_branch(r, q, kv):  # a key on a branch is its own branch's alone
+            return (branch[r, kv] == 0) | (branch[r, kv] == branch[r, q])
 
         def row(b):  # tables shared by every row have one row, whatever batch they are applied to
             return b if rows > 1 else 0
@@ -183,6 +198,8 @@ class Layout:
                     seen = seen & (pos[r, kv] <= pos[r, q])
             if window is not None:
                 seen = seen & (pos[r, q] - pos[r, kv] < window)
+            if branch is not None:
+                seen = seen & on_branch(r, q, kv)
             if padding_query is not None:
                 seen = seen | ((q == kv) & padding_query[r, q])
             return seen
@@ -192,6 +209,8 @@ class Layout:
             seen = clean_key[r, kv] & (chunk[r, kv] < chunk[r, q])
             if window is not None:
                 seen = seen & (pos[r, q] - pos[r, kv] < window)
+            if branch is not None:
+                seen = seen & on_branch(r, q, kv)
             return seen if streams else seen & False  # without streams every key is its own
 
         def union(b, h, q, kv):
@@ -269,7 +288,8 @@ class Layout:
     @property
     def is_plain(self) -> bool:
         """One clean chunk with no padding: the mask is plain causal (or empty), so SDPA can take a fast path."""
-        return self.valid is None and not bool(self.noisy.any()) and bool((self.chunks == self.chunks.flatten()[0]).all())
+        return (self.valid is None and self.branches is None and not bool(self.noisy.any())
+                and bool((self.chunks == self.chunks.flatten()[0]).all()))
 
 
 def cached_keys_seen(kind: str, cached: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

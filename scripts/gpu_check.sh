@@ -13,4 +13,4 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export WANDB_MODE=disabled WANDB_SILENT=true
 if [[ " $* " == *" --dry-run "* ]]; then export DS_ACCELERATOR=cpu; fi
-exec python -m eval.gpu_check "$@"
+exec python3 -m eval.gpu_check "$@"

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "cost, never slower than AR by design) or longest (every draft whole)")
     verify.add_argument("--verify-windows", type=int, metavar="W",
                         help="window drafts: pre-draft W of the block_size + 1 ways a verification can end")
+    verify.add_argument("--verify-siblings", type=int, metavar="K",
+                        help="with a drafter: verify up to K of its next likeliest first tokens beside each draft, "
+                             "where the policy finds they pay (default 3; 0: the draft alone)")
     return parser
 
 
@@ -124,6 +127,7 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "confidence": args.confidence,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "stop_strings": args.stop,
         "verify_draft": args.verify_draft, "verify_windows": args.verify_windows,
+        "verify_siblings": args.verify_siblings,
         **{name: getattr(args, name) for name in RULES},
     }
     options = {key: value for key, value in given.items() if value is not None}

@@ -13,10 +13,14 @@ A Drafts object runs the verification forward itself (a drafter decides which co
 keeps of it) and proposes the next drafts (a policy.Proposal: tokens, the source's confidence, which source):
 
     sources, widths                      its draft sources' names; the forward widths it can run (1 = an AR step)
+    siblings                             the most siblings a forward may verify beside a draft (0 but a drafter's)
     first()                              the first proposal ([MASK] where it has none)
     width(proposal)                      the next forward's width (the policy's choice)
-    verify(opener, draft, width)         the target's logits [B, width, V] at the clean columns
-                                         [opener, draft[:, :width - 1]]: AR's next token after each prefix
+    siblings_for(proposal, width)        how many siblings it verifies beside the draft (the policy's choice)
+    verify(opener, draft, width, sib)    the target's logits [B, width + k, V] at the clean columns
+                                         [opener, draft[:, :width - 1]]: AR's next token after each prefix, then
+                                         at the k siblings `sib` [B, k], each after the opener alone
+    relocate(source, width)              an accepted sibling's column (source [B]) takes the draft's first one's
     next(length, ar, agreed)             the next proposal, once each row accepted `agreed` draft tokens and
                                          committed its `length` first tokens of `ar` (AR's greedy tokens)
     keep_rows(stay)                      rows that finished leave
@@ -43,13 +47,22 @@ from r2lm.layout import Layout
 COST_CONTEXT = 64  # the shortest context a cost is measured over (a forward's cost barely depends on it here)
 
 
-def verify_layout(b: int, outcomes: list[int], device=None) -> Layout:
+def verify_layout(b: int, outcomes: list[int], device=None, siblings: int = 0) -> Layout:
     """The columns of one verification forward, positions relative to the cache's next position: clean column j
     at position j in chunk 2j + 1 (so it sees the clean columns before it), then for each j in `outcomes` window j
-    at positions j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j)."""
+    at positions j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j), then `siblings` clean
+    columns at position 1 in chunk 2, each on a branch of its own (so each sees the opener and itself, and no
+    column sees it but itself: the other candidates for the draft's first token)."""
     one, window = torch.ones(1, 1, device=device), torch.ones(1, b, device=device)
     clean = [Layout.span(one, start=j, chunk=2 * j + 1) for j in range(b)]
     windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in outcomes]
+    if siblings:
+        if outcomes or b < 2:
+            raise ValueError("siblings stand in for a draft's first token: a clean draft of 2 columns or more")
+        clean.append(Layout(positions=torch.ones(1, siblings, dtype=torch.long, device=device),
+                            chunks=torch.full((siblings,), 2, device=device),
+                            noisy=torch.zeros(siblings, dtype=torch.bool, device=device),
+                            window_columns=slice(0, 0), branches=torch.arange(1, siblings + 1, device=device)))
     return Layout.cat(*clean, *windows)
 
 
@@ -77,6 +90,7 @@ class Drafts(ABC):
 
     sources: tuple[str, ...]
     capture: tuple[int, ...] = ()  # target layers whose outputs the forward returns too (a drafter's context)
+    siblings = 0  # the most siblings a forward may verify beside a draft
 
     def __init__(self, state, policy: Policy, verifying):
         self.state, self.policy, self.verifying = state, policy, verifying
@@ -85,7 +99,7 @@ class Drafts(ABC):
     @staticmethod
     def room(verifying) -> int:
         """Cache columns one verification forward may write past the committed text (its widest shape)."""
-        return verifying.block_size
+        return verifying.block_size + verifying.siblings
 
     @property
     @abstractmethod
@@ -95,7 +109,8 @@ class Drafts(ABC):
     def first(self) -> Proposal: ...
 
     @abstractmethod
-    def verify(self, opener: torch.Tensor, draft: torch.Tensor, width: int) -> torch.Tensor: ...
+    def verify(self, opener: torch.Tensor, draft: torch.Tensor, width: int,
+               siblings: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def next(self, length: torch.Tensor, ar: torch.Tensor, agreed: torch.Tensor) -> Proposal: ...
@@ -110,6 +125,15 @@ class Drafts(ABC):
 
     def width(self, proposal: Proposal) -> int:
         return self.policy.width(proposal)
+
+    def siblings_for(self, proposal: Proposal, width: int) -> int:
+        """The siblings the next forward verifies (none in the first, which appends the prompt as one chain)."""
+        if not self.siblings or width < 2 or self.state.context.head is not None:
+            return 0
+        return min(self.policy.siblings(proposal, width), self.siblings)
+
+    def relocate(self, source: torch.Tensor, width: int) -> None:
+        return  # by default a source keeps nothing of the forward's columns
 
     def keep_rows(self, stay: torch.Tensor) -> None:
         return  # by default a source keeps nothing per row
@@ -127,7 +151,8 @@ class Drafts(ABC):
         def forward(rows: int, width: int):
             return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
 
-        widths = measured_widths(max(self.widths)) if len(self.widths) > 2 else list(self.widths)
+        widest = max(self.widths) + self.siblings  # a forward of width w and k siblings reads w + k columns
+        widths = measured_widths(widest) if len(self.widths) > 2 else list(self.widths)
         drafter = getattr(self, "drafter", None)
         models = (s.model,) if drafter is None else (s.model, drafter)  # whose product orders must settle first
         costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, widths, self.timed_drafting, s.device,
@@ -142,9 +167,13 @@ class Drafts(ABC):
         return (type(self).__name__, self.state.b, self.capture, tuple(getattr(self, "outcomes", ())),
                 id(getattr(self, "drafter", None)))
 
-    def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str) -> Proposal:
+    def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str, siblings: torch.Tensor | None = None,
+                 sibling_confidence: torch.Tensor | None = None) -> Proposal:
+        if siblings is None:  # the call's K siblings, none of them real
+            siblings = draft.new_full((draft.shape[0], self.siblings), self.state.mask_id)
+            sibling_confidence = confidence.new_zeros(draft.shape[0], self.siblings)
         return Proposal(draft, confidence, torch.full((draft.shape[0],), self.sources.index(source), dtype=torch.long,
-                                                      device=draft.device))
+                                                      device=draft.device), siblings, sibling_confidence)
 
     def nothing(self) -> Proposal:
         """No draft for any row (the next forward is an AR step unless a source drafts inside it): one per row count,
@@ -163,7 +192,8 @@ class CleanDrafts(Drafts):
 
     def __init__(self, state, policy: Policy, verifying):
         super().__init__(state, policy, verifying)
-        self.layouts = {w: verify_layout(w, [], state.device) for w in self.widths}
+        self.layouts = {(w, k): verify_layout(w, [], state.device, k) for w in self.widths
+                        for k in range(self.siblings + 1 if w >= 2 else 1)}
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -175,14 +205,26 @@ class CleanDrafts(Drafts):
         for layout in self.layouts.values():
             self.state.reader.prepare(layout.length, layout.length, layout)
 
-    def verify(self, opener, draft, width):
-        ids = torch.cat([opener, draft[:, : width - 1]], 1)
-        out = self.state.context.read_draft(ids, self.layouts[width], self.capture)
+    def verify(self, opener, draft, width, siblings=None):
+        k = 0 if siblings is None else siblings.shape[1]
+        ids = torch.cat([opener, draft[:, : width - 1], *([] if siblings is None else [siblings])], 1)
+        out = self.state.context.read_draft(ids, self.layouts[width, k], self.capture)
         if not self.capture:
             return out
         logits, captured, head = out
         self.seen = (captured, head)
         return logits
+
+    def relocate(self, source, width):
+        """The captured outputs: the accepted sibling's in the draft's first column, the siblings' dropped."""
+        if not self.capture:
+            return
+        captured, head = self.seen
+        at = 1 + (0 if head is None else head.shape[1])  # the draft's first column, after the prompt's head
+        index = (source + at - 1)[:, None, None]
+        moved = [torch.cat([h[:, :at], h.gather(1, index.expand(-1, 1, h.shape[2])), h[:, at + 1 : at - 1 + width]], 1)
+                 for h in captured]
+        self.seen = (moved, head)
 
     def timed_forward(self, reader, width):
         ids = torch.zeros(reader.cache.batch_size, width, dtype=torch.long, device=reader.cache.valid.device)
@@ -222,6 +264,8 @@ class ModelDrafts(CleanDrafts):
         drafter = verifying.drafter
         self.drafter = drafter.bind(state.model)
         self.capture = tuple(drafter.config.feature_layers)
+        # (not under compile=True: each count of siblings is a forward shape of its own)
+        self.siblings = 0 if state.r.caching.compile else verifying.siblings
         super().__init__(state, policy, verifying)
         # the drafter's context grows by every column a forward reads (a row's uncommitted ones invalid), at most b
         # per committed token, then the scratch of the drafter's own block (which may be longer than the call's b):
@@ -251,9 +295,14 @@ class ModelDrafts(CleanDrafts):
             return free if free is not None else self.nothing()
         self.catch_up()
         opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
-        draft, confidence = self.drafter.draft(self.context, opener, confidence=True)
-        drafted = self.proposal(*fit(draft, confidence, s.b, s.mask_id), "drafter")
+        drafted = self.drafted(opener)
         return drafted if free is None else self.policy.choose([at_hand, drafted.host()]).to(s.device)
+
+    def drafted(self, opener: torch.Tensor) -> Proposal:
+        """The drafter's proposal after `opener` [R] (its block and, where the call verifies siblings, theirs)."""
+        s = self.state
+        draft, confidence, *siblings = self.drafter.draft(self.context, opener, confidence=True, siblings=self.siblings)
+        return self.proposal(*fit(draft, confidence, s.b, s.mask_id), "drafter", *siblings)
 
     def timed_drafting(self, rows: int):
         s, drafter = self.state, self.drafter
@@ -267,7 +316,7 @@ class ModelDrafts(CleanDrafts):
 
         def run():  # what drafting adds to a step: the new column appended (catch_up), then the draft
             drafter.append(context, column)
-            out = drafter.draft(context, openers, confidence=True)
+            out = drafter.draft(context, openers, confidence=True, siblings=self.siblings)
             context.kv.rewind(length)
             return out
 
@@ -354,7 +403,7 @@ class WindowDrafts(Drafts):
     def width(self, proposal):
         return self.state.b if self.wide else 1
 
-    def verify(self, opener, draft, width):
+    def verify(self, opener, draft, width, siblings=None):
         s = self.state
         if width == 1:
             self.h = None

@@ -65,35 +65,55 @@ MAX_Q = 0.99
 @dataclass
 class Proposal:
     """The next draft of every row still decoding: draft [R, b] token ids ([MASK] where none), confidence [R, b]
-    (the source's own, in [0, 1]), source [R] (index into the call's `sources` names). On the device as torch
-    tensors; what the policy reads, on the host as numpy arrays (`host`): the policy's arithmetic never waits
-    for the device."""
+    (the source's own, in [0, 1]), source [R] (index into the call's `sources` names), and `siblings` [R, K] with
+    their confidence: the source's next likeliest tokens for the draft's first one, likeliest first ([MASK] where
+    none; K = 0 for a source without them), which a forward may verify beside the draft (r2lm.generation.verify).
+    On the device as torch tensors; what the policy reads, on the host as numpy arrays (`host`): the policy's
+    arithmetic never waits for the device."""
 
     draft: torch.Tensor | np.ndarray
     confidence: torch.Tensor | np.ndarray
     source: torch.Tensor | np.ndarray
+    siblings: torch.Tensor | np.ndarray | None = None
+    sibling_confidence: torch.Tensor | np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.siblings is None:  # none: K = 0
+            empty = self.draft[:, :0]
+            self.siblings, self.sibling_confidence = empty, self.confidence[:, :0]
+
+    def _fields(self):
+        return self.draft, self.confidence, self.source, self.siblings, self.sibling_confidence
 
     def host(self) -> Proposal:
-        return Proposal(*(np.asarray(x.tolist(), dtype=dtype) for x, dtype in
-                          ((self.draft, np.int64), (self.confidence, np.float64), (self.source, np.int64))))
+        dtypes = (np.int64, np.float64, np.int64, np.int64, np.float64)
+        return Proposal(*(np.asarray(x.tolist(), dtype=d).reshape(tuple(x.shape)) for x, d in zip(self._fields(), dtypes,
+                                                                                                  strict=True)))
 
     def to(self, device) -> Proposal:
-        return Proposal(*(torch.as_tensor(x, device=device) for x in (self.draft, self.confidence, self.source)))
+        return Proposal(*(torch.as_tensor(x, device=device) for x in self._fields()))
 
     def rows(self, keep) -> Proposal:
-        return Proposal(self.draft[keep], self.confidence[keep], self.source[keep])
+        return Proposal(*(x[keep] for x in self._fields()))
+
+    def where(self, take: np.ndarray, other: Proposal) -> Proposal:
+        """Per row (host), `other`'s draft where `take` [R], else this one's."""
+        return Proposal(*(np.where(take.reshape(-1, *[1] * (x.ndim - 1)), y, x)
+                          for x, y in zip(self._fields(), other._fields(), strict=True)))
 
 
 @dataclass(frozen=True)
 class Prices:
     """The costs a policy reads at one row count R: the forward widths and their seconds C(R, w), an AR step's
-    C(R, 1), the per-row part B of an AR step (C(R, 1) = A + B R), drafting's D(R)."""
+    C(R, 1), the per-row part B of an AR step (C(R, 1) = A + B R), drafting's D(R), and `columns`: C(R, c) for
+    c = 1 .. the widest forward with siblings (a forward of width w and k siblings reads w + k columns)."""
 
     widths: np.ndarray
     verify: np.ndarray
     ar: float
     per_row: float
     draft: float
+    columns: np.ndarray
 
 
 class Policy(ABC):
@@ -103,19 +123,18 @@ class Policy(ABC):
     needs_costs = False  # whether `start` needs the measured costs of the call's forwards
 
     def start(self, sources: tuple[str, ...], widths: tuple[int, ...], costs: StepCosts | None, mask_id: int,
-              model=None, key: tuple = ()) -> None:
+              model=None, key: tuple = (), siblings: int = 0) -> None:
         """`model` and `key` (the drafts' own: r2lm.generation.drafts.Drafts.key) name what may be learnt across
-        calls."""
+        calls; `siblings`: the most a forward may verify beside a draft (Proposal.siblings)."""
         self.sources, self.widths, self.costs, self.mask_id = sources, widths, costs, mask_id
+        self.most_siblings = siblings
 
     def choose(self, candidates: list[Proposal]) -> Proposal:
         """One draft per row among several sources' (host; each [MASK] where it has none): by default the first
         that has one (lookup before the drafter)."""
         out = candidates[0]
         for other in candidates[1:]:
-            take = out.draft[:, 0] == self.mask_id
-            out = Proposal(np.where(take[:, None], other.draft, out.draft),
-                           np.where(take[:, None], other.confidence, out.confidence), np.where(take, other.source, out.source))
+            out = out.where(out.draft[:, 0] == self.mask_id, other)
         return out
 
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
@@ -128,9 +147,16 @@ class Policy(ABC):
         """The next forward's width (1 .. b: it verifies the first `width` draft tokens of each row and commits at
         most `width` tokens; 1 is an AR step)."""
 
-    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray) -> None:
-        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`, and the
-        tokens it has left to decode, `remaining` [R] (0 once it is done)."""
+    def siblings(self, proposal: Proposal, width: int) -> int:
+        """How many of each row's siblings the next forward verifies beside its draft at `width` (>= 2: a sibling
+        stands in for the draft's first token). By default none."""
+        return 0
+
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
+                hit: np.ndarray | None = None) -> None:
+        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`, the
+        tokens it has left to decode, `remaining` [R] (0 once it is done), and with `siblings` verified beside the
+        drafts, `hit` [R]: the rank of the sibling that was the target's token (-1: none)."""
         return  # by default nothing is learnt
 
     def keep_rows(self, stay: np.ndarray) -> None:
@@ -194,10 +220,14 @@ class Adaptive(Policy):
         self.scripted = costs  # costs said rather than measured (r2lm.generation.costs.ScriptedCosts)
         self.needs_costs = costs is None
 
-    def start(self, sources, widths, costs, mask_id, model=None, key=()) -> None:
-        super().start(sources, widths, self.scripted or costs, mask_id, model, key)
+    def start(self, sources, widths, costs, mask_id, model=None, key=(), siblings=0) -> None:
+        super().start(sources, widths, self.scripted or costs, mask_id, model, key, siblings)
         kept = _ACCEPTANCE.setdefault(model, {}) if model is not None else {}
         self.estimates = {name: kept.setdefault((key, name), Acceptance()) for name in sources}
+        # the siblings' own: a cell is (confidence, rank among the siblings), a token accepted where it is the
+        # target's, whatever the draft's first token was
+        self.sibling_estimates = {name: kept.setdefault((key, name, "siblings"), Acceptance()) for name in sources}
+        self.decided: tuple | None = None  # (proposal, width, siblings): `width`'s choice, which `siblings` reads
         self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
         self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
         self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
@@ -227,6 +257,16 @@ class Adaptive(Policy):
                 q[rows] = np.clip(estimate.q(proposal.confidence[rows]) * scale[:, None], 0, MAX_Q)
         return q * (proposal.draft != self.mask_id)
 
+    def sibling_q(self, proposal: Proposal) -> np.ndarray:
+        """[R, K]: each sibling's estimated chance of being the target's token (0 at [MASK]); the events are
+        disjoint from each other's and from the draft's first token's."""
+        q = np.zeros(proposal.siblings.shape)
+        for index, name in enumerate(self.sources):
+            rows = proposal.source == index
+            if rows.any() and q.shape[1]:
+                q[rows] = np.clip(self.sibling_estimates[name].q(proposal.sibling_confidence[rows]), 0, MAX_Q)
+        return q * (proposal.siblings != self.mask_id) * (proposal.draft[:, :1] != self.mask_id)
+
     @staticmethod
     def expected(q: np.ndarray) -> np.ndarray:
         """[R, b + 1]: tokens each row commits on average at width k + 1, i.e. submitting its first k tokens and
@@ -241,18 +281,22 @@ class Adaptive(Policy):
             ar = c.verify(rows, 1)
             per_row = min(max((ar - c.verify(1, 1)) / (rows - 1), 0.0), ar / rows) if rows > 1 else 0.0
             self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
-                                      per_row, c.draft(rows))
+                                      per_row, c.draft(rows),
+                                      np.array([c.verify(rows, w) for w in range(1, max(self.widths) + self.most_siblings + 1)]))
         return self.prices[key]
 
-    def saved(self, q: np.ndarray) -> np.ndarray:
+    def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
         """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module
         docstring): the per-forward part of an AR step times how far the row with most left advances, plus the
-        per-row part times the tokens the rows commit."""
+        per-row part times the tokens the rows commit. `sibling` [R]: the chance that a sibling verified beside
+        the draft is the target's token (then the row commits 2 tokens: at widths >= 2 only)."""
         rows, b = q.shape
         price = self.price(rows)
         ar, per_row = price.ar, price.per_row
         # P(row r commits at least j tokens), j = 0 .. b: 1 up to j = 1, then P(its first j - 1 are accepted)
         at_least = np.concatenate([np.ones((rows, 2)), np.cumprod(q[:, : b - 1], 1)], 1)
+        if sibling is not None and b > 1:  # the draft's first token or a sibling: disjoint events
+            at_least[:, 2] = np.minimum(at_least[:, 2] + sibling, 1.0)
         gap = np.zeros(rows, dtype=np.int64)  # how far each row is behind the row with most left
         if self.remaining is not None:
             at_least[np.arange(b + 1)[None, :] > self.remaining[:, None]] = 0  # never more than it has left
@@ -263,21 +307,33 @@ class Adaptive(Policy):
         lead = np.take_along_axis(at_least, need, 1).prod(0)
         return (ar - per_row * rows) * np.cumsum(lead) + per_row * np.cumsum(at_least[:, 1:].sum(0))
 
-    def best(self, q: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
-        """(width, AR seconds spared per second) maximising the rate, `extra` seconds paid on top of the forward;
-        a width above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
-        saved, price = self.saved(q), self.price(q.shape[0])
-        rates = saved[np.minimum(price.widths, len(saved)) - 1] / (price.verify + extra)
+    def best(self, q: np.ndarray, extra: float = 0.0, sibling_q: np.ndarray | None = None) -> tuple[int, int, float]:
+        """(width, siblings, AR seconds spared per second) maximising the rate, `extra` seconds paid on top of the
+        forward, k siblings [R, k] of `sibling_q` verified beside drafts of width >= 2 for C(R, w + k); a width
+        above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
+        price = self.price(q.shape[0])
+        widths = np.minimum(price.widths, q.shape[1])
+        rates = self.saved(q)[widths - 1] / (price.verify + extra)
         best = int(np.argmax(rates))  # (the narrowest of equals)
         if best and price.widths[0] == 1 and rates[best] < MARGIN * rates[0]:
             best = 0
-        return int(price.widths[best]), float(rates[best])
+        choice = (int(price.widths[best]), 0, float(rates[best]))
+        wide = price.widths >= 2
+        for k in range(1, 0 if sibling_q is None else sibling_q.shape[1] + 1):
+            if not sibling_q[:, k - 1].any() or not wide.any():
+                break  # the siblings are in order: none after a [MASK]
+            with_siblings = self.saved(q, sibling_q[:, :k].sum(1))[widths - 1] / (price.columns[price.widths + k - 1] + extra)
+            with_siblings[~wide] = 0
+            at = int(np.argmax(with_siblings))
+            if with_siblings[at] > choice[2] and with_siblings[at] >= MARGIN * rates[0]:
+                choice = (int(price.widths[at]), k, float(with_siblings[at]))
+        return choice
 
     def probe_due(self, source: str, rows: int) -> bool:
         """Every n-th step a source the estimates rule out is tried, n such that trying it costs at most
         PROBE_BUDGET of the AR time in between."""
         price = self.price(rows)
-        extra = max(price.verify[-1] + price.draft - price.ar, 0.0)
+        extra = max(price.columns[-1] + price.draft - price.ar, 0.0)
         return self.estimates[source].idle >= math.ceil(extra / (PROBE_BUDGET * price.ar))
 
     # --------------------------------------------------------------------------------------------- decisions
@@ -287,9 +343,7 @@ class Adaptive(Policy):
         out, value = candidates[0], self.expected(self.q(candidates[0]))[:, -1]
         for other in candidates[1:]:
             mine = self.expected(self.q(other))[:, -1]
-            take = mine > value
-            out = Proposal(np.where(take[:, None], other.draft, out.draft),
-                           np.where(take[:, None], other.confidence, out.confidence), np.where(take, other.source, out.source))
+            out = out.where(mine > value, other)
             value = np.maximum(value, mine)
         return out
 
@@ -314,23 +368,39 @@ class Adaptive(Policy):
         ours = np.broadcast_to(np.minimum(self.row_rate(index), MAX_Q)[:, None], (rows, b))
         without = np.zeros((rows, b)) if free is None else self.q(free)[:, :b]
         drafting = self.price(rows).draft
-        if drafting > 0:  # a drafter: its forward, then each row takes the better draft
+        if drafting > 0:  # a drafter: its forward, then each row takes the better draft (and its siblings)
             better = self.expected(ours)[:, -1] > self.expected(without)[:, -1]
-            with_it = self.best(np.where(better[:, None], ours, without), extra=drafting)[1]
+            siblings = np.full((rows, self.most_siblings), min(self.sibling_estimates[source].rate(), MAX_Q))
+            with_it = self.best(np.where(better[:, None], ours, without), extra=drafting,
+                                sibling_q=siblings * better[:, None])[2]
         else:  # the window: a forward as wide as the block, every step
             with_it = float(self.saved(ours)[b - 1]) / self.price(rows).verify[-1]
-        return with_it > MARGIN * self.best(without)[1]
+        return with_it > MARGIN * self.best(without)[2]
 
     def width(self, proposal: Proposal) -> int:
+        self.decided = None
         if len(self.widths) == 1:
             return self.widths[0]
         if (proposal.draft[:, 0] == self.mask_id).all():  # no row has a draft (most steps where drafting loses)
             return 1
         q = self.q(proposal)
-        return self.best(q)[0] if q.any() else 1  # nothing to verify: an AR step, whatever the costs' noise
+        if not q.any():  # nothing to verify: an AR step, whatever the costs' noise
+            return 1
+        width, siblings, _ = self.best(q, sibling_q=self.sibling_q(proposal) if self.most_siblings else None)
+        self.decided = (proposal, width, siblings)
+        return width
 
-    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray) -> None:
+    def siblings(self, proposal: Proposal, width: int) -> int:
+        """The siblings `width` chose with the width it returned for this proposal."""
+        if self.decided is None or self.decided[0] is not proposal or self.decided[1] != width:
+            return 0
+        return self.decided[2]
+
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
+                hit: np.ndarray | None = None) -> None:
         self._rows(proposal.draft.shape[0])
+        if siblings:
+            self.observe_siblings(proposal, siblings, hit)
         self.remaining = remaining
         # a forward of width w compares w draft tokens with AR's (it commits at most w tokens: the w-th one's
         # acceptance adds none, but is seen)
@@ -353,6 +423,17 @@ class Adaptive(Policy):
             decay = np.where(rows, ROW_DECAY, 1.0)
             self.row_accepted[:, index] = self.row_accepted[:, index] * decay + np.where(rows, agreed, 0)
             self.row_tried[:, index] = self.row_tried[:, index] * decay + np.where(rows, tried, 0)
+
+    def observe_siblings(self, proposal: Proposal, siblings: int, hit: np.ndarray) -> None:
+        """Every sibling verified is an observation at its rank: accepted where it was the target's token."""
+        rank = np.broadcast_to(np.arange(siblings), (len(hit), siblings))
+        offered = (proposal.siblings[:, :siblings] != self.mask_id) & (proposal.draft[:, :1] != self.mask_id)
+        for index, name in enumerate(self.sources):
+            seen = offered & (proposal.source == index)[:, None]
+            if seen.any():
+                self.learnt += 1
+                self.sibling_estimates[name].update(proposal.sibling_confidence[:, :siblings][seen], rank[seen],
+                                                    (rank == hit[:, None])[seen])
 
     def keep_rows(self, stay: np.ndarray) -> None:
         if self.row_accepted is not None:

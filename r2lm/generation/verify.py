@@ -47,6 +47,13 @@ columns alone, about an AR step's cost on a CPU; where no row has a draft it is 
 than b columns of which only the first can be committed (the width is decided with the iteration's one host sync:
 two forward shapes). Their first verification forward appends the prompt.
 
+A drafter's next likeliest tokens for a draft's first position, its siblings (`verify_siblings`, at most k), may be
+verified in the same forward: each a clean column at the first draft position after the opener, on a branch of
+its own (r2lm.layout: no other column sees it, and it sees the opener and itself). Where the target's token there
+is a sibling rather than the draft's first token, the sibling takes the first token's place and its column the
+first draft column's, in the cache too (`KVCache.relocate`, before the cache advances): the row commits the
+sibling and AR's token after it, and what is committed stays one run of columns. The forward costs w + k columns.
+
 The first draft is read by the forward that appends the prompt (`ExactCache`; a window-only forward after a
 prefix-cache hit). Greedy only (temperature 0); causal attention, `shift`, softmax layers (a block-hybrid
 layer folds its keys inside the forward, before the accepted length is known).
@@ -67,13 +74,18 @@ from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
 from r2lm.kind import ATTENTION
 
+SIBLINGS = 3  # by default: the shipped drafter's top-4 first tokens hold the target's 55% of the time, its top-1 31%
+MAX_SIBLINGS = 16
+
 
 @dataclass(frozen=True)
 class Verifying:
     """verify=True and how it drafts: `draft` (a name in r2lm.generation.drafts.DRAFTS), `windows` (window drafts:
     drafting windows per verification forward, None: block_size + 1), `drafter` (an r2lm.drafter.Drafter for the
     model), `block_size` (the draft length: the drafter's own unless block_size is given, never more than
-    max_new_tokens), `policy` (how much of each draft a step submits: r2lm.generation.policy)."""
+    max_new_tokens), `policy` (how much of each draft a step submits: r2lm.generation.policy), `siblings` (the
+    most siblings a forward verifies beside a drafter's draft: the drafter's next likeliest first tokens;
+    SIBLINGS by default where a drafter drafts, which the policy uses where they pay)."""
 
     verify: bool = False
     windows: int | None = None
@@ -81,6 +93,7 @@ class Verifying:
     drafter: object = None
     block_size: int = 0
     policy: object = "adaptive"
+    siblings: int = 0
 
     @classmethod
     def of(cls, options: dict, config, block_size: int, block_size_given: bool, max_new_tokens: int) -> Verifying:
@@ -109,6 +122,14 @@ class Verifying:
         if policy != "adaptive" and not verify:
             raise ValueError("verify_policy sets how verify=True drafts; pass verify=True")
         policy_of(policy)  # a name it knows, or a Policy
+        siblings = options.get("verify_siblings")
+        if siblings is not None:
+            if not drafted:
+                raise ValueError(f"verify_siblings counts a drafter's other candidates for a draft's first token; "
+                                 f"verify_draft={draft!r} has no drafter")
+            if not (isinstance(siblings, int) and not isinstance(siblings, bool) and 0 <= siblings <= MAX_SIBLINGS):
+                raise ValueError(f"verify_siblings must be an int in [0, {MAX_SIBLINGS}], got {siblings!r}")
+        siblings = (SIBLINGS if siblings is None else siblings) if drafted and verify else 0
         if drafter is not None:
             # the drafts interface (r2lm.generation.drafts.ModelDrafts), as r2lm.drafter.Drafter implements it
             if not all(callable(getattr(drafter, name, None)) for name in ("check_target", "bind", "draft")):
@@ -119,7 +140,9 @@ class Verifying:
         if verify and block_size > max_new_tokens:  # a draft past the last new token is never verified: cut it
             block_size = max_new_tokens
             windows = None if windows is None else min(windows, block_size + 1)
-        return cls(verify, windows, draft, drafter, block_size, policy)
+        if block_size < 2:  # a sibling stands in for a draft's first token, verified with the one after it
+            siblings = 0
+        return cls(verify, windows, draft, drafter, block_size, policy, siblings)
 
 
 def check_verifiable(config, r) -> None:
@@ -168,6 +191,28 @@ class Verification:
             self.reader.cache.reserve(self.forward_width)
 
 
+def take_sibling(logits, ar, proposal, k: int, width: int, mask_id: int):
+    """After a forward that verified k siblings beside drafts of `width`: where the target's token after the opener
+    is a sibling (and not the draft's first token), the sibling takes the draft's first token's place and its
+    column the first column's: (logits and AR's tokens [R, width], column 1 the sibling's column where one was
+    right; the draft and its confidence [R, b], there the sibling then [MASK], so that the row accepts 1 token and
+    commits 2; the sibling's rank, -1 where none; the forward column that moved into column 1, 1 where none)."""
+    first = ar[:, :1]
+    right = (proposal.siblings[:, :k] == first) & (proposal.draft[:, :1] != first)
+    hit = torch.where(right.any(1), right.long().argmax(1), -1)
+    source = torch.where(hit >= 0, width + hit, 1)
+    moved = logits.gather(1, source[:, None, None].expand(-1, 1, logits.shape[2]))
+    logits = torch.cat([logits[:, :1], moved, logits[:, 2:width]], 1)
+    ar = torch.cat([first, ar.gather(1, source[:, None]), ar[:, 2:width]], 1)
+    took = (hit >= 0)[:, None]
+    rank = hit.clamp(min=0)[:, None]
+    draft = torch.cat([torch.where(took, first, proposal.draft[:, :1]),
+                       torch.where(took, mask_id, proposal.draft[:, 1:2]), proposal.draft[:, 2:]], 1)
+    confidence = torch.cat([torch.where(took, proposal.sibling_confidence.gather(1, rank), proposal.confidence[:, :1]),
+                            torch.where(took, 0.0, proposal.confidence[:, 1:2]), proposal.confidence[:, 2:]], 1)
+    return logits, ar, draft, confidence, hit, source
+
+
 def decode_verified(model, r) -> GenerateOutput:
     check_verifiable(model.config, r)
     v, ids = r.verifying, r.prompt.input_ids
@@ -177,10 +222,11 @@ def decode_verified(model, r) -> GenerateOutput:
     s = Verification(model, r, kind.room(v))
     drafts = kind(s, policy, v)
     policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model,
-                 drafts.key)
+                 drafts.key, drafts.siblings)
     drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
     cols = torch.arange(b, device=s.device)
+    no_hit = torch.full((s.batch,), -1, dtype=torch.long, device=s.device)
     opener = ids[:, -1:]
     leave = not r.caching.compile  # a finished row leaves the forwards (not under compile=True: a new batch size recompiles)
     iterations = 0
@@ -192,9 +238,15 @@ def decode_verified(model, r) -> GenerateOutput:
         width = drafts.width(seen)
         while True:
             draft, confidence = proposal.draft, proposal.confidence
+            k = drafts.siblings_for(seen, width)
             s.make_room()
-            logits = drafts.verify(opener, draft, width)
+            logits = drafts.verify(opener, draft, width, proposal.siblings[:, :k] if k else None)
             ar = propose(logits, r.mask_id)[0]  # AR's greedy tokens after the committed text + the draft
+            hit = no_hit[: len(s.rows)]
+            if k:  # an accepted sibling takes the draft's first token's place, its column the first one's in the cache
+                logits, ar, draft, confidence, hit, source = take_sibling(logits, ar, proposal, k, width, r.mask_id)
+                s.reader.cache.relocate(1, source)
+                drafts.relocate(source, width)
             agrees = (draft[:, :width] == ar).long().cumprod(1)
             agreed = agrees.sum(1)  # each row's accepted draft length k
             live = ~done[s.rows]
@@ -215,16 +267,18 @@ def decode_verified(model, r) -> GenerateOutput:
             done = stopper.finished | (s.written >= s.n)
             following = drafts.next(length, ar, agreed)
             # the one host sync of an iteration: its outcome, and the next proposal for the policy
-            rows = len(s.rows)
             remaining = torch.where(done[s.rows], 0, s.n - s.written[s.rows])
-            outcome = np.asarray(torch.cat([torch.stack([length.max(), done.all(), done[s.rows].any()]).double(),
-                                            agreed.double(), remaining.double(), following.draft.flatten().double(),
-                                            following.confidence.flatten().double(), following.source.double()]).tolist())
-            widest, over, left = (int(x) for x in outcome[:3])
-            policy.observe(seen, width, outcome[3 : 3 + rows].astype(np.int64), outcome[3 + rows : 3 + 2 * rows])
-            at = 3 + 2 * rows + rows * b
-            seen = Proposal(outcome[3 + 2 * rows : at].astype(np.int64).reshape(rows, b),
-                            outcome[at : at + rows * b].reshape(rows, b), outcome[at + rows * b :].astype(np.int64))
+            parts = [torch.stack([length.max(), done.all(), done[s.rows].any()]), agreed, remaining, hit,
+                     following.draft, following.confidence, following.source, following.siblings,
+                     following.sibling_confidence]
+            values = np.asarray(torch.cat([x.double().flatten() for x in parts]).tolist())
+            (widest, over, left), agreed_, remaining_, hit_, *proposed = (
+                piece.reshape(x.shape) for piece, x in zip(np.split(values, np.cumsum([x.numel() for x in parts])[:-1]),
+                                                           parts, strict=True))
+            widest, over, left = int(widest), bool(over), bool(left)
+            hit_ = hit_.astype(np.int64)  # (a row whose sibling was right accepted none of the draft)
+            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_)
+            seen = Proposal(*(x.astype(np.int64) if i in (0, 2, 3) else x for i, x in enumerate(proposed)))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, s.n, s.written.clamp(max=s.n)).min())

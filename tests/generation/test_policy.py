@@ -15,7 +15,7 @@ from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate, mea
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy, Proposal
 from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
-from tests.helpers.models import tiny_conversion, tiny_r2lm, tiny_tokenizer
+from tests.helpers.models import MASK_ID, tiny_conversion, tiny_r2lm, tiny_tokenizer
 
 SOURCES = ["window", "lookup", "drafter", "lookup+drafter"]
 
@@ -119,11 +119,16 @@ class OracleDrafter(Drafter):
     """A perfect drafter (a test oracle): it drafts the target's own greedy continuation, known beforehand, from the
     number of tokens its context says are committed, with full confidence."""
 
-    def draft(self, context, openers, confidence=False):
+    def draft(self, context, openers, confidence=False, siblings=0):
         b = self.config.block_size
         at = context.kv.next_position[:, None] + 1 + torch.arange(b)  # the tokens after the opener
         ids = self.continuation.gather(1, at.clamp(max=self.continuation.shape[1] - 1))
-        return (ids, torch.ones(ids.shape)) if confidence else ids
+        if not confidence:
+            return ids
+        if not siblings:
+            return ids, torch.ones(ids.shape)
+        others = (ids[:, :1] + 1 + torch.arange(siblings)) % MASK_ID  # never the target's: sure they are not
+        return ids, torch.ones(ids.shape), others, torch.zeros(others.shape)
 
 
 def widths_of(target, ids, n, **options):
@@ -169,20 +174,21 @@ def test_a_ruled_out_drafter_is_probed_across_short_calls(converted):
     class Counting(Drafter):
         drafts = 0
 
-        def draft(self, context, openers, confidence=False):
+        def draft(self, context, openers, confidence=False, siblings=0):
             Counting.drafts += 1
-            return super().draft(context, openers, confidence)
+            return super().draft(context, openers, confidence, siblings)
 
     counting = Counting(drafter.config).eval()
     counting.load_state_dict(drafter.state_dict())
     # a forward of width 4 costs 2.5 AR steps and drafting 0.5: at an even chance of acceptance (the prior) the
     # drafter does not pay, and a probe costs 2 AR steps more than an AR step: one every ceil(2 / PROBE_BUDGET) + 1
+    # (without siblings, whose columns would make the widest forward wider)
     costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.5 * (width - 1), draft=lambda rows: 0.5)
     every = math.ceil(2 / PROBE_BUDGET) + 1
     ids = left_padded(batch=1)[0]
     for _ in range(math.ceil(2.5 * every / 10)):  # calls of 10 tokens, 2.5 intervals in all
         generate(target, ids, max_new_tokens=10, verify=True, drafter=counting, verify_draft="drafter", block_size=4,
-                 verify_policy=Counted(costs), eos_token_id=[])
+                 verify_siblings=0, verify_policy=Counted(costs), eos_token_id=[])
     assert Counted.asked >= 2 * every and Counting.drafts == Counted.asked // every >= 2
 
 

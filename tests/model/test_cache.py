@@ -163,3 +163,23 @@ def test_a_cache_that_grows_reads_as_before(name):
     assert torch.equal(tight.valid[:, :19], roomy.valid[:, :19]) and not tight.valid[:, 19:].any()
     assert torch.equal(tight.next_position, roomy.next_position)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_relocate_moves_each_rows_column_into_place():
+    """relocate (verification's accepted sibling): before `advance`, each row's scratch column source[r] replaces
+    its scratch column `into` in every softmax layer's keys and values; committed columns and the other scratch
+    columns stay as they were; a row whose source is `into` keeps its own."""
+    model = tiny_r2lm()
+    cache = model.new_cache(3, 16)
+    cache.advance(4)  # 4 committed columns
+    for t in (*cache.key, *cache.value):
+        if t is not None:
+            t.copy_(torch.randn(t.shape))
+    before = [None if t is None else t.clone() for t in (*cache.key, *cache.value)]
+    cache.relocate(1, torch.tensor([1, 3, 5]))
+    for old, new in zip(before, (*cache.key, *cache.value), strict=True):
+        if old is None:
+            continue
+        want = old.clone()
+        want[1, :, 5], want[2, :, 5] = old[1, :, 7], old[2, :, 9]  # scratch column 1 = cache column 4 + 1
+        assert torch.equal(new, want)
