@@ -143,6 +143,8 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
     assert code == 2 and "threshold must be in (0, 1], got 1.5" in err and out == ""
     code, out, err = run([checkpoint, "--prompt", "x", "--verify-draft", "lookup"], capsys)
     assert code == 2 and "set how verify=True drafts; pass verify=True" in err and out == ""
+    code, out, err = run([checkpoint, "--prompt", "x", "--verify", "--verify-siblings", "2"], capsys)
+    assert code == 2 and "verify_siblings counts a drafter's other candidates" in err and out == ""
     with pytest.raises(SystemExit) as exit_:
         main([str(checkpoint), "--prompt", "x", "--threshold", "0.5", "--steps", "4"])
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
@@ -212,7 +214,7 @@ def test_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--prompt", "--chat", "--block-size", "--threshold", "--factor", "--steps", "--confidence",
                    "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
-                   "--compile", "--verify", "--verify-draft", "--verify-windows", "--linear-decisions",
+                   "--compile", "--verify", "--verify-draft", "--verify-windows", "--verify-siblings", "--linear-decisions",
                    "--plain-products", "generation_config.json"):
         assert option in result.stdout, option
 
