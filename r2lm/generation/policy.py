@@ -12,7 +12,11 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
   on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
 - cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
-  and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context).
+  and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context),
+  both timed on a scratch cache; and checked against the steps themselves: each step's wall time (from one host
+  sync to the next) keeps running ratios of what steps without and with the drafter's forward took to their
+  price, and drafting is counted at what it took (catching the drafter's context up after AR steps, the step's
+  host work: on a 2-core AVX2 CPU a drafting step took ~0.1 AR step more than its price);
 
 Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
 the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each
@@ -43,7 +47,7 @@ from __future__ import annotations
 import math
 import weakref
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -58,6 +62,8 @@ SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting 
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
+CLOCK_DECAY = 0.8  # per step: the running ratios of a step's wall time to its price
+CLOCK_RANGE = (0.5, 4.0)  # what those ratios may reach (one slow step, a page fault, must not decide alone)
 MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
 
@@ -153,10 +159,11 @@ class Policy(ABC):
         return 0
 
     def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
-                hit: np.ndarray | None = None) -> None:
+                hit: np.ndarray | None = None, seconds: float | None = None) -> None:
         """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`, the
-        tokens it has left to decode, `remaining` [R] (0 once it is done), and with `siblings` verified beside the
-        drafts, `hit` [R]: the rank of the sibling that was the target's token (-1: none)."""
+        tokens it has left to decode, `remaining` [R] (0 once it is done), with `siblings` verified beside the
+        drafts, `hit` [R]: the rank of the sibling that was the target's token (-1: none), and the step's wall
+        time `seconds` (from one host sync to the next; None for the first, which appends the prompt)."""
         return  # by default nothing is learnt
 
     def keep_rows(self, stay: np.ndarray) -> None:
@@ -227,6 +234,11 @@ class Adaptive(Policy):
         # the siblings' own: a cell is (confidence, rank among the siblings), a token accepted where it is the
         # target's, whatever the draft's first token was
         self.sibling_estimates = {name: kept.setdefault((key, name, "siblings"), Acceptance()) for name in sources}
+        # [forward, drafting]: running ratios of what steps took to what the measured costs price them at (a step is
+        # more than the forwards timed on a scratch cache: the drafter's context caught up, the step's host work)
+        self.clock = kept.setdefault((key, "clock"), np.ones(2))
+        self.drafting = False  # whether the drafter's forward ran in the step now running (`worth` said so)
+        self.drafted = False  # whether it ran in the step before
         self.decided: tuple | None = None  # (proposal, width, siblings): `width`'s choice, which `siblings` reads
         self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
         self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
@@ -283,7 +295,28 @@ class Adaptive(Policy):
             self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
                                       per_row, c.draft(rows),
                                       np.array([c.verify(rows, w) for w in range(1, max(self.widths) + self.most_siblings + 1)]))
-        return self.prices[key]
+        price = self.prices[key]
+        # drafting at what steps show it costs, in the forwards' terms (their own ratio cancels in every comparison)
+        ratio = self.clock[1] / self.clock[0]
+        return price if ratio == 1.0 else replace(price, draft=price.draft * ratio)
+
+    def timed(self, seconds: float, columns: int, rows: int) -> None:
+        """A step of `columns` columns over `rows` rows took `seconds`: without the drafter's forward it updates the
+        forwards' ratio, with it the drafting's (what the step took beyond its forward, against the drafting price),
+        where the step before drafted too (after AR steps the drafter first appends all their columns: a backlog,
+        not what drafting on costs)."""
+        if self.costs is None or self.scripted is not None:  # costs said, not measured: in no unit of time
+            return
+        self.price(rows)
+        price = self.prices[self.costs, rows]  # as measured
+        forward = price.columns[min(columns, len(price.columns)) - 1]
+        if not self.drafting:
+            observed, index = seconds / forward, 0
+        elif price.draft > 0 and self.drafted:
+            observed, index = (seconds - forward * self.clock[0]) / price.draft, 1
+        else:
+            return
+        self.clock[index] = np.clip(CLOCK_DECAY * self.clock[index] + (1 - CLOCK_DECAY) * observed, *CLOCK_RANGE)
 
     def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
         """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module
@@ -352,7 +385,8 @@ class Adaptive(Policy):
         index, b = self.sources.index(source), self.widths[-1]
         if free is None:  # the answer changes only with what was learnt and the rows' gaps: not at every AR step
             gaps = None if self.remaining is None else (self.remaining.max() - self.remaining, self.remaining.min() < b)
-            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]))
+            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]),
+                   round(float(self.clock[1] / self.clock[0]), 2))
             if key not in self.verdicts:
                 self.verdicts = {key: self.pays(source, index, None, rows)}
             use = self.verdicts[key] or self.probe_due(source, rows)
@@ -360,6 +394,7 @@ class Adaptive(Policy):
             use = self.pays(source, index, free, rows) or self.probe_due(source, rows)
         estimate = self.estimates[source]
         estimate.idle = 0 if use else estimate.idle + 1
+        self.drafting = use
         return use
 
     def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> bool:
@@ -397,8 +432,11 @@ class Adaptive(Policy):
         return self.decided[2]
 
     def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
-                hit: np.ndarray | None = None) -> None:
+                hit: np.ndarray | None = None, seconds: float | None = None) -> None:
         self._rows(proposal.draft.shape[0])
+        if seconds is not None:
+            self.timed(seconds, width + siblings, proposal.draft.shape[0])
+        self.drafted, self.drafting = self.drafting, False
         if siblings:
             self.observe_siblings(proposal, siblings, hit)
         self.remaining = remaining

@@ -61,6 +61,7 @@ layer folds its keys inside the forward, before the accepted length is known).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,6 +231,7 @@ def decode_verified(model, r) -> GenerateOutput:
     opener = ids[:, -1:]
     leave = not r.caching.compile  # a finished row leaves the forwards (not under compile=True: a new batch size recompiles)
     iterations = 0
+    clock = time.perf_counter()  # each step's wall time, from one host sync to the next: the policy checks its prices
     row_steps = torch.zeros((), dtype=torch.long, device=s.device)
     try:
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
@@ -277,7 +279,10 @@ def decode_verified(model, r) -> GenerateOutput:
                                                            parts, strict=True))
             widest, over, left = int(widest), bool(over), bool(left)
             hit_ = hit_.astype(np.int64)  # (a row whose sibling was right accepted none of the draft)
-            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_)
+            now = time.perf_counter()
+            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_,
+                           now - clock if iterations > 1 else None)  # (the first step appends the prompt too)
+            clock = now
             seen = Proposal(*(x.astype(np.int64) if i in (0, 2, 3) else x for i, x in enumerate(proposed)))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far

@@ -49,6 +49,9 @@ class ChunkGroups:
 
     @classmethod
     def of(cls, layout) -> ChunkGroups:
+        if layout.branches is not None:  # a chunk's state would fold a branch's keys in for every later chunk
+            raise ValueError("block-hybrid layers read earlier chunks as one folded state: a layout with branches "
+                             "(verification's siblings) needs softmax layers")
         rows, length = layout.rows, layout.length
         device = layout.chunks.device
         _, rank = torch.unique(layout.chunks.expand(rows, length), sorted=True, return_inverse=True)  # [R, T]

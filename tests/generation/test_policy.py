@@ -257,6 +257,34 @@ def test_a_batch_drafts_for_the_row_with_most_left():
     assert width([sure, none], None) == 4  # each row pays its own share: row 0's tokens pay for its columns
 
 
+def test_steps_that_take_longer_than_priced_make_drafting_dearer():
+    """The prices are forwards timed on a scratch cache, and a step is more (the drafter's context caught up, the
+    step's host work). Steps whose drafting took 4 times its price make the policy count drafting at what it took,
+    and a drafter it found worth its forward it no longer does; steps that take what they are priced at change
+    nothing. (Costs given to `start` are measured seconds; costs given to Adaptive(...) are said, and no step's
+    wall time is weighed against them.)"""
+    forward, drafting = (lambda rows, width: 1.0 + 0.02 * (width - 1)), (lambda rows: 0.3)
+    shown = Proposal(np.array([[1, 2, 3, 4]]), np.full((1, 4), 0.5), np.array([0]))
+
+    def decisions(extra: float, policy=None):
+        if policy is None:
+            policy = Adaptive()
+            policy.start(("drafter",), (1, 2, 3, 4), ScriptedCosts(forward, drafting), 99)
+        used = []
+        for _ in range(30):  # each step: decide on the drafter, verify its draft at width 2, take the step's time
+            used.append(policy.worth("drafter", None, 1))
+            policy.observe(shown, 2, np.array([1]), np.array([100]),
+                           seconds=forward(1, 2) + (drafting(1) * extra if used[-1] else 0.0))
+        return used
+
+    assert all(decisions(extra=1.0))
+    slow = decisions(extra=4.0)
+    assert slow[0] and not any(slow[-10:])
+    said = Adaptive(ScriptedCosts(forward, drafting))
+    said.start(("drafter",), (1, 2, 3, 4), None, 99)
+    assert all(decisions(extra=4.0, policy=said))
+
+
 def test_cost_tables_interpolate_between_measured_shapes():
     assert measured_widths(8) == [1, 2, 4, 8] and measured_widths(1) == [1] and measured_widths(6) == [1, 2, 4, 6]
     table = {1: 1.0, 4: 2.5}

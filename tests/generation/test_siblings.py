@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from r2lm import generate
-from r2lm.drafter import Drafter
 from r2lm.generation.costs import ScriptedCosts
 from r2lm.generation.drafts import verify_layout
 from r2lm.generation.policy import Adaptive, Policy, Proposal
 from tests.generation.test_drafter import trained
 from tests.helpers.decoding import left_padded
-from tests.helpers.models import MASK_ID, tiny_conversion
+from tests.helpers.models import MASK_ID, tiny_conversion, tiny_r2lm
 
 
 class Siblings(Policy):
@@ -32,7 +31,7 @@ class Siblings(Policy):
     def siblings(self, proposal, width):
         return self.most_siblings
 
-    def observe(self, proposal, width, agreed, remaining, siblings=0, hit=None):
+    def observe(self, proposal, width, agreed, remaining, siblings=0, hit=None, seconds=None):
         if siblings:
             self.hits += hit.tolist()
 
@@ -170,4 +169,12 @@ def test_verify_siblings_is_checked(setup):
     out = generate(target, ids, max_new_tokens=6, verify=True, drafter=drafter, verify_siblings=0, eos_token_id=[])
     assert torch.equal(out.sequences, hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
                                                   eos_token_id=None))
-    assert isinstance(drafter, Drafter)
+
+
+def test_block_hybrid_layers_refuse_branches():
+    """A block-hybrid layer reads earlier chunks as one folded state, which would fold a sibling in for every later
+    column: it refuses a layout with branches by name (verify=True refuses such models before any forward)."""
+    model = tiny_r2lm(attention="block_causal", hybrid_layers=[1], hybrid_feature_dim=8)
+    layout = verify_layout(3, [], siblings=2)
+    with pytest.raises(ValueError, match="a layout with branches .* needs softmax layers"):
+        model(torch.zeros(1, layout.length, dtype=torch.long), layout=layout)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from r2lm import Layout, dual_stream
 from r2lm.diffusion import compute_loss
+from r2lm.generation.drafts import verify_layout
 from r2lm.layers.hybrid import HybridParts
 from r2lm.ops.flex import block_sparse, flex_attention, torch_flex_attention
 from tests.helpers.models import MASK_ID, tiny_r2lm
@@ -36,6 +37,9 @@ def _layouts(model):
     ids = torch.randint(0, MASK_ID, (3, 29), generator=torch.Generator().manual_seed(2))
     yield "padded prompt + window", ids, Layout.cat(prompt, window)
     yield "padded span", ids[:, :21], Layout.span(mask)
+    if not model.config.hybrid_layers:  # (block-hybrid layers refuse branches)
+        siblings = verify_layout(8, [], siblings=3)  # verification's draft and 3 siblings, each on a branch of its own
+        yield "draft + siblings", ids[:1, : siblings.length], siblings
 
 
 def _with(model, implementation):
