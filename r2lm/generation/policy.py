@@ -15,8 +15,8 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context),
   both timed on a scratch cache; and checked against the steps themselves: each step's wall time (from one host
   sync to the next) keeps running ratios of what steps without and with the drafter's forward took to their
-  price, and drafting is counted at what it took (catching the drafter's context up after AR steps, the step's
-  host work: on a 2-core AVX2 CPU a drafting step took ~0.1 AR step more than its price);
+  price, and drafting is counted at what it took (the drafter's context caught up, the step's host work: more
+  than the drafter's forward alone; docs/results.md, "Siblings");
 
 Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
 the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each

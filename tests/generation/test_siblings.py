@@ -67,13 +67,15 @@ def test_siblings_never_change_the_output(setup):
                        pad_token_id=0, verify_draft="drafter", verify_policy=policy)
         assert torch.equal(out.sequences, greedy[:, : out.sequences.shape[1]])
         hits += policy.hits
-    for prompt in prompts(6):
+    for prompt in prompts(20):  # searched over prompts, within a bound (a trained drafter's guesses vary by CPU)
         policy = Siblings()
         out = generate(target, prompt, max_new_tokens=24, verify=True, drafter=drafter, verify_draft="lookup+drafter",
                        verify_policy=policy, eos_token_id=[])
         assert torch.equal(out.sequences, hf.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
                                                       eos_token_id=None))
         hits += policy.hits
+        if {-1, 0, 1} <= set(hits):
+            break
     assert {0, 1} <= set(hits) and -1 in hits, hits  # siblings right at the first and a later rank, and wrong
 
 
@@ -84,7 +86,7 @@ def test_every_committed_column_reads_what_a_full_recompute_reads(setup):
     hf, target, drafter = setup
     layers = tuple(drafter.config.feature_layers)
     hits = 0
-    for prompt in prompts(6):
+    for prompt in prompts(20):  # until 3 siblings were right (searched within a bound)
         steps, policy = [], Siblings()
         out = generate(target, prompt, max_new_tokens=24, verify=True, drafter=drafter, verify_draft="drafter",
                        verify_policy=policy, eos_token_id=[], step_callback=steps.append)
@@ -105,6 +107,8 @@ def test_every_committed_column_reads_what_a_full_recompute_reads(setup):
                 assert np.array_equal(shown.siblings[0], siblings[0].numpy())
                 np.testing.assert_allclose(shown.sibling_confidence[0], q[0].numpy(), atol=1e-5)
         hits += sum(h >= 0 for h in policy.hits)
+        if hits >= 3:
+            break
     assert hits >= 3, hits
 
 
