@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["r2lm", "r2lm.*"]),
     # the few-row kernel's source, compiled on the machine (r2lm/ops/few_rows.py); the drafters r2lm ships
     # (r2lm/drafters/NAME/: config.json, model.safetensors, checksums.sha256; r2lm.drafter.Drafter.shipped)
-    package_data={"r2lm.ops": ["csrc/*.cpp"], "r2lm": ["drafters/*/*"]},
+    package_data={"r2lm.ops": ["csrc/*.cpp"], "r2lm": ["drafters/*/*", "ngrams/*/*"]},
     install_requires=["torch>=2.3", "transformers>=5.0", "safetensors", "jinja2>=3.1"],  # jinja2: r2lm-generate --chat
     extras_require={
         # train/ from a checkout; in the library, r2lm-convert deepspeed-to-hf needs deepspeed, merge-lora peft

@@ -4,7 +4,8 @@ is the model's own greedy output, HumanEval pass@1 of AR, verified and threshold
 against its training tokens.
 
     python -m eval.lossless_bench --target runs/drafter/target [--reference SMOLLM2 --gguf-file FILE]
-        [--drafter NAME=DIR ...] [--window NAME=DIR ...] [--curve RUN_DIR ...] [--categories code chat prose]
+        [--drafter NAME=DIR ...] [--ngram NAME=DIR ...] [--window NAME=DIR ...] [--curve RUN_DIR ...]
+        [--categories code chat prose]
         [--speed-prompts 3] [--repeats 3] [--batch-sizes 1 8] [--new-tokens 64] [--block-size 8] [--humaneval-problems 164]
         [--threshold 0.9] [--parts speed humaneval curve] [--update] [--out docs/results] [--results-md docs/results.md]
 
@@ -28,6 +29,9 @@ speed      per category and batch size, one run interleaved a batch at a time (a
              verify:lookup          generate(verify=True, verify_draft="lookup", block_size=--block-size)
              verify:NAME            generate(verify=True, drafter=NAME, verify_draft="drafter"), the drafter's
                                     block size; verify:lookup+NAME: verify_draft="lookup+drafter"
+             verify:TABLE           (--ngram) generate(verify=True, ngram=TABLE, verify_draft="ngram"), --block-size;
+                                    verify:lookup+TABLE: "lookup+ngram"; verify:lookup+TABLE+NAME with each drafter:
+                                    "lookup+ngram+drafter"
              verify:NAME (--window)  generate(verify=True, verify_draft="window") of an R2LM whose sidecars were
                                     trained on the target's frozen backbone (today's window drafts: the baseline a
                                     drafter is compared with), its block size
@@ -82,7 +86,7 @@ from eval.humaneval import measure_humaneval
 from eval.lossless_report import plot, render, replace_section
 from eval.lossless_speed import measure_speed
 from eval.machine import describe, linear_orders, name_of, packages
-from r2lm import R2LMForDiffusionLM
+from r2lm import R2LMForDiffusionLM, ngram
 from r2lm.drafter import target_digest
 from r2lm.generation.policy import POLICIES
 from r2lm.generation.verify import MAX_SIBLINGS, SIBLINGS
@@ -109,6 +113,7 @@ class Setup:
     hf: object  # transformers model: the reference, or the target in transformers' class
     reference: str
     drafters: dict
+    ngrams: dict  # name -> an r2lm.ngram.NGramTable
     windows: dict  # name -> an R2LM with sidecars on the target's frozen backbone (window drafts)
     threshold_model: object
     eos: list[int]
@@ -123,6 +128,7 @@ def load_setup(args) -> Setup:
     from r2lm.convert.gguf import reading_gguf
     from r2lm.convert.to_hf import transformers_backbone, without_sidecars
     from r2lm.drafter import Drafter, DrafterConfig
+    from r2lm.ngram import NGramTable
 
     logger.info("target %s", args.target)
     target = R2LMForDiffusionLM.from_pretrained(args.target).eval()
@@ -141,6 +147,9 @@ def load_setup(args) -> Setup:
         drafter = Drafter.from_pretrained(path)
         drafter.check_target(target.config)  # refused here, naming what differs, not halfway through the run
         drafters[name] = drafter.to(target.dtype).eval()
+    ngrams = {name: NGramTable.load(path) for name, path in args.ngram}
+    for table in ngrams.values():
+        table.check_model(target.config)  # refused here, not halfway through the run
     for run in args.curve:  # a run for another target is refused now, not after the other parts
         with torch.device("meta"):
             Drafter(checkpoint_config(complete_checkpoints(run / "checkpoints")[-1][1])).check_target(target.config)
@@ -173,7 +182,7 @@ def load_setup(args) -> Setup:
     tuner = Tuner()  # one set of product-order decisions for every r2lm model of the run, as decoding uses them
     for model in (target, plain, threshold_model, *drafters.values(), *windows.values()):
         install(model, tuner)
-    return Setup(target, plain, tokenizer, hf, reference, drafters, windows, threshold_model, eos, pad, tuner)
+    return Setup(target, plain, tokenizer, hf, reference, drafters, ngrams, windows, threshold_model, eos, pad, tuner)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -210,7 +219,7 @@ def part_settings(args, part: str) -> dict:
 def named(item: str) -> tuple[str, Path]:
     name, sep, path = item.partition("=")
     if not sep or not NAME.match(name) or name == "lookup" or not path:
-        raise argparse.ArgumentTypeError(f"--drafter and --window take NAME=DIR (NAME of letters, digits, '_', '-', "
+        raise argparse.ArgumentTypeError(f"--drafter, --ngram and --window take NAME=DIR (NAME of letters, digits, '_', '-', "
                                          f"'.'; not 'lookup'), got {item!r}")
     return name, Path(path)
 
@@ -232,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf-file", help="the GGUF file in --reference to load (as convert from-hf --gguf-file)")
     parser.add_argument("--drafter", action="append", default=[], type=named, metavar="NAME=DIR",
                         help="a drafter for the target (Drafter.from_pretrained folder, e.g. a drafter run's final/); "
+                             "repeatable")
+    parser.add_argument("--ngram", action="append", default=[], type=named, metavar="NAME=DIR",
+                        help="an n-gram table for the target's vocabulary (python -m r2lm.ngram build; r2lm ships "
+                             "SmolLM2's in r2lm/ngrams/): its drafts beside lookup's, and beside each drafter's; "
                              "repeatable")
     parser.add_argument("--window", action="append", default=[], type=named, metavar="NAME=DIR",
                         help="an R2LM with sidecars trained on the target's frozen backbone: its window drafts, "
@@ -292,9 +305,13 @@ def check_args(parser, args) -> None:
 
     if not (args.target / "config.json").is_file():
         parser.error(f"--target {args.target} is not a model folder (no config.json)")
-    names = [name for name, _ in args.drafter + args.window]
+    names = [name for name, _ in args.drafter + args.ngram + args.window]
     if len(set(names)) != len(names):
-        parser.error(f"--drafter and --window names must differ, got {names}")
+        parser.error(f"--drafter, --ngram and --window names must differ, got {names}")
+    for name, path in args.ngram:
+        if not all((path / file).is_file() for file in (ngram.CONFIG, ngram.TABLE)):
+            parser.error(f"--ngram {name}={path}: {path} is not an n-gram table folder (no {ngram.CONFIG} and "
+                         f"{ngram.TABLE}): build one with python -m r2lm.ngram build")
     for name, path in args.drafter:
         if not path.is_dir():
             parser.error(f"--drafter {name}={path}: {path} does not exist")

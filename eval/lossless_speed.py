@@ -14,6 +14,7 @@ from eval.machine import name_of
 from eval.parallel_bench import speed_batches
 from eval.vllm_peer import bench_rows
 from r2lm.generation.costs import measured_tables
+from r2lm.generation.drafts import DRAFTS
 
 logger = logging.getLogger("eval.lossless_speed")
 
@@ -37,6 +38,13 @@ def speed_decoders(s, block_size: int, policies: list[str], untrained: bool, sib
             for j, k in enumerate(siblings):
                 verified[key if j == 0 else f"{key}/s{k}"] = (s.target, dict(drafter=drafter, verify_draft=draft,
                                                                              verify_siblings=k))
+    for name, table in s.ngrams.items():
+        verified[f"verify:{name}"] = (s.target, dict(ngram=table, verify_draft="ngram", block_size=block_size))
+        verified[f"verify:lookup+{name}"] = (s.target, dict(ngram=table, verify_draft="lookup+ngram",
+                                                            block_size=block_size))
+        for drafter_name, drafter in s.drafters.items():
+            verified[f"verify:lookup+{name}+{drafter_name}"] = (s.target, dict(
+                ngram=table, drafter=drafter, verify_draft="lookup+ngram+drafter", verify_siblings=siblings[0]))
     for name, model in s.windows.items():  # (its verified output is still checked against the target's AR)
         verified[f"verify:{name}"] = (model, dict(verify_draft="window"))
     for i, policy in enumerate(policies):
@@ -141,19 +149,18 @@ def measure_speed(s, prompts: dict, args, settings: dict) -> dict:
             "batches": per_batch, "costs": step_costs(s)}
 
 
-# what verified decoding's draft sources are called in the decoders' names (r2lm.generation.drafts' classes)
-SOURCES = {"LookupDrafts": "lookup", "WindowDrafts": "window", "ModelDrafts": "{}", "LookupModelDrafts": "lookup+{}"}
-
-
 def step_costs(s) -> dict:
     """The costs verified decoding measured for the target's forwards in this run (r2lm.generation.costs), by the
-    draft source they were measured for: seconds of a verification forward by rows and width, and of drafting by
-    rows (what the adaptive policy weighs; a window model's own are left out)."""
-    drafters = {id(d): name for name, d in s.drafters.items()}
+    draft sources they were measured for (named as the decoders are: a drafter or table by its name): seconds of a
+    verification forward by rows and width, and of drafting by rows (what the adaptive policy weighs; a window
+    model's own are left out)."""
+    kinds = {kind.__name__: kind.sources for kind in DRAFTS.values()}
+    names = {id(d): name for name, d in s.drafters.items()} | {id(t): name for name, t in s.ngrams.items()}
     out = {}
-    # keys: r2lm.generation.drafts' Drafts.key (its class, draft length, captured layers, outcomes, drafter), then
-    # what kept_costs adds (threads, dtype, device)
-    for (kind, b, _capture, _outcomes, drafter, *_rest), table in measured_tables(s.target).items():
-        name = SOURCES[kind].format(drafters.get(drafter, "drafter"))
+    # keys: r2lm.generation.drafts' Drafts.key (its class, draft length, captured layers, outcomes, drafter, table),
+    # then what kept_costs adds (threads, dtype, device)
+    for (kind, b, _capture, _outcomes, drafter, ngram, *_rest), table in measured_tables(s.target).items():
+        name = "+".join(names.get(drafter, source) if source == "drafter" else names.get(ngram, source)
+                        if source == "ngram" else source for source in kinds[kind])
         out[name if name not in out else f"{name} (draft {b})"] = table
     return out

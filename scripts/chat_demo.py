@@ -7,7 +7,9 @@
   against the reference's `generate`), drafted
     - by the R2LM's own diffusion window,
     - by prompt lookup (copies of the prompt and the answer so far),
-    - by the drafter r2lm ships for this model (r2lm/drafters/, when it ships one: SmolLM2-135M-Instruct's),
+    - by lookup and the n-gram table r2lm ships for this model (r2lm/ngrams/, when it ships one: SmolLM2-135M-
+      Instruct's; what most often followed the last tokens in ShareGPT's training replies),
+    - by the drafter r2lm ships for this model (r2lm/drafters/) beside lookup, and beside lookup and the table,
     - by --drafter (e.g. the quickstart's own, trained for a few minutes);
   each with the default policy (r2lm.generation.policy: it drafts only where measured acceptance pays for the
   measured cost of verifying, so no line should be slower than AR);
@@ -34,6 +36,7 @@ from r2lm import R2LMForDiffusionLM, generate
 from r2lm.convert.gguf import reading_gguf
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.drafter import Drafter
+from r2lm.ngram import NGramTable
 from r2lm.ops.linear import install
 
 AR = "AR (backbone)"
@@ -79,10 +82,15 @@ def main(argv=None) -> int:
                                                 threshold=args.threshold)),
                 "verify, window": (model, dict(verify=True, block_size=b)),
                 "verify, lookup": (model, dict(verify=True, verify_draft="lookup", block_size=b))}
+    table = NGramTable.shipped(model)
+    if table is not None:
+        decoders["verify, lookup + shipped table"] = (model, dict(verify=True, ngram=table, block_size=b))
     shipped = Drafter.shipped(model)
     if shipped is not None:
         install(shipped, tuner)
         decoders["verify, shipped drafter"] = (model, dict(verify=True, drafter=shipped))
+        if table is not None:
+            decoders["verify, shipped drafter + table"] = (model, dict(verify=True, drafter=shipped, ngram=table))
     if args.drafter:
         drafter = Drafter.from_pretrained(args.drafter).eval()
         install(drafter, tuner)
@@ -131,10 +139,11 @@ def main(argv=None) -> int:
     verified = [name for name in decoders if name.startswith("verify")]
     identical = all(same(results[name][i].sequences, own[i]) for name in verified for i in range(len(inputs)))
     print(f"\nverify=True output (every draft source) identical to the original model's own greedy generate: {identical}")
-    print(f"\n{'decoding':<26}{'tokens/s':>10}{'tokens/forward':>16}{'vs AR':>8}")
+    width = max(map(len, decoders)) + 2
+    print(f"\n{'decoding':<{width}}{'tokens/s':>10}{'tokens/forward':>16}{'vs AR':>8}")
     for name, outs in results.items():
         tokens, forwards = sum(o.new_tokens for o in outs), sum(o.nfe for o in outs)
-        print(f"{name:<26}{speed(name):>10.1f}{tokens / max(forwards, 1):>16.2f}{speed(name) / speed(AR):>8.2f}")
+        print(f"{name:<{width}}{speed(name):>10.1f}{tokens / max(forwards, 1):>16.2f}{speed(name) / speed(AR):>8.2f}")
     return 0 if identical else 1
 
 

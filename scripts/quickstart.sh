@@ -12,8 +12,9 @@
 #      pay: the drafter r2lm ships for SmolLM2 (r2lm/drafters/, self-distilled on 5.7M tokens so far of
 #      scripts/reproduce_drafter.sh's 10M) is the one meant to, and step 5 shows both
 #   5. chat prompts answered with cached parallel decoding and with verify=True, drafted by the window, by prompt
-#      lookup, by the shipped drafter and by step 4's (lossless: SmolLM2's own text, checked), tokens per forward
-#      and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
+#      lookup, by lookup and the n-gram table r2lm ships for SmolLM2 (r2lm/ngrams/: no forward of its own), by the
+#      shipped drafter (without and with the table) and by step 4's (lossless: SmolLM2's own text, checked), tokens
+#      per forward and tokens/s against AR decoding of the same model (scripts/chat_demo.py)
 #
 #   bash scripts/quickstart.sh [DIR]       or       QUICKSTART_DIR=DIR bash scripts/quickstart.sh
 #   QUICKSTART_TINY=1 bash scripts/quickstart.sh   # the same pipeline on a tiny random Qwen3 (about 2 minutes)

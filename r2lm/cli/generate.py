@@ -31,10 +31,11 @@ from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.policy import POLICIES
 from r2lm.generation.sampling import CONFIDENCES
 from r2lm.modeling_r2lm import R2LMForDiffusionLM
+from r2lm.ngram import NGramTable
 from r2lm.ops.linear import Tuner, install
 from r2lm.unmasking import RULES
 
-SHIPPED_DRAFTER = "(shipped)"  # --drafter without a folder: r2lm.drafter.Drafter.shipped(model)
+SHIPPED_DRAFTER = "(shipped)"  # --drafter / --ngram without a folder: what r2lm ships for the model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what drafts: the diffusion window (default without --drafter), prompt lookup (copies of "
                              "the prompt and the text so far, no drafting window: suits text that repeats itself), the "
                              "drafter, or lookup where the text repeats and the drafter elsewhere (default with "
-                             "--drafter)")
+                             "--drafter), each with the n-gram table beside lookup (default with --ngram)")
     verify.add_argument("--drafter", metavar="DIR", nargs="?", const=SHIPPED_DRAFTER,
                         help="a drafter trained for this checkpoint (train/pretrain.py objective=drafter; its final/); "
                              "--drafter alone: the one r2lm ships for this checkpoint's model (e.g. SmolLM2-135M-"
                              "Instruct). Implies --verify")
+    verify.add_argument("--ngram", metavar="DIR", nargs="?", const=SHIPPED_DRAFTER,
+                        help="an n-gram table for this checkpoint's vocabulary (python -m r2lm.ngram build): drafts "
+                             "that cost no forward, what most often followed the text's last tokens in a corpus; "
+                             "--ngram alone: the one r2lm ships for this checkpoint's model. Implies --verify")
     verify.add_argument("--verify-policy", choices=tuple(POLICIES),
                         help="how much each step drafts: adaptive (default: measured acceptance against measured "
                              "cost, never slower than AR by design) or longest (every draft whole)")
@@ -137,7 +142,7 @@ def decoding_options(args: argparse.Namespace, device: torch.device) -> dict:
         options["use_cache"] = False
     if args.compile:
         options["compile"] = True
-    if args.verify or args.drafter is not None:
+    if args.verify or args.drafter is not None or args.ngram is not None:
         options["verify"] = True
     if args.verify_policy is not None:
         options["verify_policy"] = args.verify_policy
@@ -172,6 +177,11 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
                              "train/pretrain.py objective=drafter)")
     elif args.drafter:
         options["drafter"] = Drafter.from_pretrained(args.drafter).to(device).eval()
+    if args.ngram is not None:
+        options["ngram"] = NGramTable.shipped(model) if args.ngram == SHIPPED_DRAFTER else NGramTable.load(args.ngram)
+        if options["ngram"] is None:
+            raise ValueError(f"r2lm ships no n-gram table for {args.checkpoint}'s model: give --ngram DIR (build one "
+                             "with python -m r2lm.ngram build)")
     kept = args.linear_decisions is not None and args.linear_decisions.is_file()
     if not args.plain_products:  # one tuner for the model and its drafter: they share their decisions
         tuner = install(model, Tuner.load(args.linear_decisions) if kept else None)
@@ -216,6 +226,9 @@ def run(argv=None) -> int:
     if args.drafter not in (None, SHIPPED_DRAFTER) and not (Path(args.drafter) / "config.json").is_file():
         parser.error(f"--drafter {args.drafter}: no drafter folder there (no config.json); train one with "
                      "train/pretrain.py objective=drafter")
+    if args.ngram is not None and not args.ngram.strip():
+        parser.error("--ngram was given an empty folder name: give a table folder, or --ngram alone for the one r2lm "
+                     "ships for this model")
     device = check_device(parser, args.device)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -44,7 +44,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     exact cross-request reuse); verify=False (lossless: the model's greedy AR output, drafted and verified by the
     causal pass, r2lm.generation.verify; block_size is then the draft length) with verify_windows (drafting
     windows per verification forward, 2 .. block_size + 1, default all), verify_draft (r2lm.generation.drafts:
-    "window", "lookup", "drafter", "lookup+drafter") and drafter (an r2lm.drafter.Drafter); bidirectional models
+    "window", "lookup", "ngram", "lookup+ngram", "drafter", "lookup+drafter", "lookup+ngram+drafter"), drafter (an
+    r2lm.drafter.Drafter) and ngram (an r2lm.ngram.NGramTable); bidirectional models
     only: approximate_cache (None, "prefix" or "dual": Fast-dLLM, APPROXIMATE), bicache (an r2lm.prefix.BiCache:
     APPROXIMATE reuse of a stored shared prefix).
     """

@@ -6,8 +6,13 @@ several drafters, one registry (DRAFTS). Whatever drafts, what is committed is t
                     verification forward also reads one window per way verification can end and pre-drafts the
                     next draft from it (after TiDAR)
     lookup          prompt lookup: what followed the row's last tokens earlier in its own text (r2lm.generation.lookup)
+    ngram           an n-gram table (r2lm.ngram): what most often followed the row's last tokens in a corpus
+    lookup+ngram    per row, lookup's draft or the table's, whichever the policy expects to commit more
     drafter         a drafter model (r2lm.drafter) reading the target's context features, after each verification
     lookup+drafter  per row, lookup's draft or the drafter's, whichever the policy expects to commit more
+    lookup+ngram+drafter   the three: the drafter runs only where the policy expects it to beat the other two
+
+lookup and ngram cost no forward (FREE): where a kind has both, the policy picks per row between them on the host.
 
 A Drafts object runs the verification forward itself (a drafter decides which columns the forward reads and what it
 keeps of it) and proposes the next drafts (a policy.Proposal: tokens, the source's confidence, which source):
@@ -44,6 +49,7 @@ from r2lm.generation.sampling import propose
 from r2lm.generation.window import WindowReader
 from r2lm.layout import Layout
 
+FREE = ("lookup", "ngram")  # sources that draft without a forward of their own
 COST_CONTEXT = 64  # the shortest context a cost is measured over (a forward's cost barely depends on it here)
 
 
@@ -162,10 +168,10 @@ class Drafts(ABC):
 
     @property
     def key(self) -> tuple:
-        """What its costs and its acceptance are kept for, beside the model: the kind of forward, the draft length and
-        the drafter (another drafter accepts differently)."""
+        """What its costs and its acceptance are kept for, beside the model: the kind of forward, the draft length,
+        the drafter and the n-gram table (another drafter or table accepts differently)."""
         return (type(self).__name__, self.state.b, self.capture, tuple(getattr(self, "outcomes", ())),
-                id(getattr(self, "drafter", None)))
+                id(getattr(self, "drafter", None)), id(self.verifying.ngram))
 
     def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str, siblings: torch.Tensor | None = None,
                  sibling_confidence: torch.Tensor | None = None) -> Proposal:
@@ -236,17 +242,42 @@ class CleanDrafts(Drafts):
         draft = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
         return self.proposal(draft, (draft != s.mask_id).float(), "lookup")
 
+    def tabled(self) -> Proposal:
+        s = self.state
+        draft, confidence = self.verifying.ngram.draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b,
+                                                       s.mask_id)
+        return self.proposal(draft, confidence, "ngram")
 
-class LookupDrafts(CleanDrafts):
-    """Prompt lookup: no model runs to draft."""
+    def free(self) -> Proposal | None:
+        """The drafts at hand without a forward: the free sources' (FREE), per row the one the policy expects to
+        commit more where there are two (read on the host: a second host read per iteration, in those kinds only);
+        None for a kind without any."""
+        made = [self.looked_up() if name == "lookup" else self.tabled() for name in self.sources if name in FREE]
+        if len(made) < 2:
+            return made[0] if made else None
+        return self.policy.choose([proposal.host() for proposal in made]).to(self.state.device)
 
-    sources = ("lookup",)
+
+class FreeDrafts(CleanDrafts):
+    """Drafts that cost no forward (prompt lookup, an n-gram table): no model runs to draft."""
 
     def first(self):
-        return self.looked_up()
+        return self.free()
 
     def next(self, length, ar, agreed):
-        return self.looked_up()
+        return self.free()
+
+
+class LookupDrafts(FreeDrafts):
+    sources = ("lookup",)
+
+
+class NGramDrafts(FreeDrafts):
+    sources = ("ngram",)
+
+
+class LookupNGramDrafts(FreeDrafts):
+    sources = ("lookup", "ngram")
 
 
 class ModelDrafts(CleanDrafts):
@@ -273,10 +304,6 @@ class ModelDrafts(CleanDrafts):
         self.context = drafter.new_context(state.batch, state.prompt_len + state.n + 2 * state.b
                                            + drafter.config.block_size)
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # (captured, valid) not appended yet
-
-    def free(self) -> Proposal | None:
-        """The drafts at hand without the drafter's forward (none here; LookupModelDrafts: prompt lookup's)."""
-        return None
 
     def first(self):
         return self.free() or self.nothing()
@@ -344,8 +371,11 @@ class LookupModelDrafts(ModelDrafts):
 
     sources = ("lookup", "drafter")
 
-    def free(self) -> Proposal:
-        return self.looked_up()
+
+class LookupNGramModelDrafts(ModelDrafts):
+    """As LookupModelDrafts, with the n-gram table's drafts beside lookup's."""
+
+    sources = ("lookup", "ngram", "drafter")
 
 
 def fit(draft: torch.Tensor, confidence: torch.Tensor, b: int, mask_id: int):
@@ -449,4 +479,5 @@ class WindowDrafts(Drafts):
                              torch.where(inside, confidence.gather(1, ahead), 0.0), "window")
 
 
-DRAFTS = {"window": WindowDrafts, "lookup": LookupDrafts, "drafter": ModelDrafts, "lookup+drafter": LookupModelDrafts}
+DRAFTS = {"window": WindowDrafts, "lookup": LookupDrafts, "ngram": NGramDrafts, "lookup+ngram": LookupNGramDrafts,
+          "drafter": ModelDrafts, "lookup+drafter": LookupModelDrafts, "lookup+ngram+drafter": LookupNGramModelDrafts}

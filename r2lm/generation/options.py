@@ -14,7 +14,7 @@ A Request is option groups, each checked beside the code that uses it:
     sampling     Sampling     temperature, top_k, top_p, do_sample, generator            r2lm.generation.sampling
     stopping     Stopping     eos / pad ids, stop_strings + tokenizer, criteria, streamer r2lm.generation.stopping
     caching      Caching      use_cache, compile, approximate_cache, prefix_cache, bicache r2lm.generation.contexts
-    verifying    Verifying    verify, verify_windows, verify_draft, drafter,             r2lm.generation.verify
+    verifying    Verifying    verify, verify_windows, verify_draft, drafter, ngram,      r2lm.generation.verify
                               verify_policy, verify_siblings
 """
 
@@ -39,7 +39,8 @@ OPTIONS = {
     "sampling": ("temperature", "top_k", "top_p", "do_sample", "generator"),
     "stopping": ("eos_token_id", "pad_token_id", "stop_strings", "tokenizer", "stopping_criteria", "streamer"),
     "caching": ("use_cache", "compile", "approximate_cache", "prefix_cache", "bicache"),
-    "verifying": ("verify", "verify_windows", "verify_draft", "drafter", "verify_policy", "verify_siblings"),
+    "verifying": ("verify", "verify_windows", "verify_draft", "drafter", "ngram", "verify_policy",
+                  "verify_siblings"),
     "callback": ("step_callback",),
 }
 

@@ -42,10 +42,11 @@ Drafts come from one interface (r2lm.generation.drafts): the window above (pre-d
 forward), prompt lookup (`verify_draft="lookup"`: what followed the latest earlier occurrence of the row's last
 tokens in its own text, r2lm.generation.lookup), a drafter model for a frozen target (`drafter=`, r2lm.drafter:
 it reads the target's features captured by each verification forward and drafts after it), or lookup where the
-text repeats and the drafter elsewhere. Drafts made between forwards need no window: a forward reads the b clean
-columns alone, about an AR step's cost on a CPU; where no row has a draft it is one column, an AR step, rather
-than b columns of which only the first can be committed (the width is decided with the iteration's one host sync:
-two forward shapes). Their first verification forward appends the prompt.
+text repeats and the drafter elsewhere, and an n-gram table (`ngram=`, r2lm.ngram: what most often followed the
+row's last tokens in a corpus) beside lookup, with the drafter or without. Drafts made between forwards need no
+window: a forward reads the b clean columns alone, about an AR step's cost on a CPU; where no row has a draft it is
+one column, an AR step, rather than b columns of which only the first can be committed (the width is decided with
+the iteration's one host sync: two forward shapes). Their first verification forward appends the prompt.
 
 A drafter's next likeliest tokens for a draft's first position, its siblings (`verify_siblings`, at most k), may be
 verified in the same forward: each a clean column at the first draft position after the opener, on a branch of
@@ -86,7 +87,8 @@ class Verifying:
     model), `block_size` (the draft length: the drafter's own unless block_size is given, never more than
     max_new_tokens), `policy` (how much of each draft a step submits: r2lm.generation.policy), `siblings` (the
     most siblings a forward verifies beside a drafter's draft: the drafter's next likeliest first tokens;
-    SIBLINGS by default where a drafter drafts, which the policy uses where they pay)."""
+    SIBLINGS by default where a drafter drafts, which the policy uses where they pay), `ngram` (an
+    r2lm.ngram.NGramTable for the model's vocabulary)."""
 
     verify: bool = False
     windows: int | None = None
@@ -95,30 +97,38 @@ class Verifying:
     block_size: int = 0
     policy: object = "adaptive"
     siblings: int = 0
+    ngram: object = None
 
     @classmethod
     def of(cls, options: dict, config, block_size: int, block_size_given: bool, max_new_tokens: int) -> Verifying:
         verify, windows = bool(options.get("verify", False)), options.get("verify_windows")
-        drafter = options.get("drafter")
+        drafter, ngram = options.get("drafter"), options.get("ngram")
         if windows is not None:
             if not verify:
                 raise ValueError("verify_windows sets how verify=True drafts; pass verify=True")
             if not (isinstance(windows, int) and 2 <= windows <= block_size + 1):
                 raise ValueError(f"verify_windows must be an int in [2, block_size + 1] = [2, {block_size + 1}], "
                                  f"got {windows!r}")
-        draft = options.get("verify_draft") or ("lookup+drafter" if drafter is not None else "window")
+        draft = options.get("verify_draft") or default_draft(drafter is not None, ngram is not None)
         if draft not in DRAFTS:
             raise ValueError(f"verify_draft must be one of {tuple(DRAFTS)}, got {draft!r}")
         # what the kind drafts from (its declared sources), not its name, decides which options it takes
         windowed, drafted = ("window" in DRAFTS[draft].sources), ("drafter" in DRAFTS[draft].sources)
-        if (not windowed or drafter is not None) and not verify:
-            raise ValueError("verify_draft and drafter set how verify=True drafts; pass verify=True")
+        if (not windowed or drafter is not None or ngram is not None) and not verify:
+            raise ValueError("verify_draft, drafter and ngram set how verify=True drafts; pass verify=True")
         if not windowed and windows is not None:
             raise ValueError(f"verify_windows counts drafting windows; verify_draft={draft!r} drafts without any")
-        if drafted != (drafter is not None):
-            users = " or ".join(repr(name) for name, kind in DRAFTS.items() if "drafter" in kind.sources)
-            raise ValueError(f"verify_draft={draft!r} " + ("needs a drafter (drafter=...)" if drafter is None else
-                             f"does not use the drafter given: use verify_draft={users}"))
+        for source, given, option in (("drafter", drafter, "a drafter (drafter=...)"),
+                                      ("ngram", ngram, "an n-gram table (ngram=...)")):
+            if (source in DRAFTS[draft].sources) != (given is not None):
+                users = " or ".join(repr(name) for name, kind in DRAFTS.items() if source in kind.sources)
+                raise ValueError(f"verify_draft={draft!r} " + (f"needs {option}" if given is None else
+                                 f"does not use the {source} given: use verify_draft={users}"))
+        if ngram is not None:
+            # the drafts interface (r2lm.generation.drafts.CleanDrafts.tabled), as r2lm.ngram.NGramTable implements it
+            if not all(callable(getattr(ngram, name, None)) for name in ("check_model", "draft")):
+                raise ValueError(f"ngram must be an r2lm.ngram.NGramTable, got {type(ngram).__name__}")
+            ngram.check_model(config)
         policy = options.get("verify_policy", "adaptive")
         if policy != "adaptive" and not verify:
             raise ValueError("verify_policy sets how verify=True drafts; pass verify=True")
@@ -143,7 +153,15 @@ class Verifying:
             windows = None if windows is None else min(windows, block_size + 1)
         if block_size < 2:  # a sibling stands in for a draft's first token, verified with the one after it
             siblings = 0
-        return cls(verify, windows, draft, drafter, block_size, policy, siblings)
+        return cls(verify, windows, draft, drafter, block_size, policy, siblings, ngram)
+
+
+def default_draft(drafter: bool, ngram: bool) -> str:
+    """What verify=True drafts from by default: prompt lookup beside the drafter and the n-gram table given, the
+    model's own window without either."""
+    if not (drafter or ngram):
+        return "window"
+    return "+".join(["lookup", *(["ngram"] if ngram else []), *(["drafter"] if drafter else [])])
 
 
 def check_verifiable(config, r) -> None:

@@ -18,6 +18,7 @@ from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
 from r2lm.drafter import Drafter, DrafterConfig
+from r2lm.ngram import NGramTable
 from r2lm.workloads import humaneval_problems, is_heldout
 from tests.helpers.models import sharp_hf, tiny_tokenizer
 from tests.helpers.training import drafter_overrides, run_inprocess, teacher_records
@@ -68,7 +69,11 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     results_md.write_text(DOCS + "\n" + BEGIN + "\nplaceholder\n" + END + "\n\nafter\n")
     # window drafts: the same backbone with (untrained) sidecars, the baseline a drafter is compared with
     window = convert_from_hf(hf, root / "window", sidecar_layers=[1], block_size=4)
+    vocab = R2LMForDiffusionLM.from_pretrained(target).config.vocab_size  # a table of random text: drafts, often wrong
+    NGramTable.build([torch.randint(0, vocab, (500,), generator=torch.Generator().manual_seed(0)).tolist()], vocab,
+                     min_count=1).save(root / "table")
     lossless_bench.main(["--target", str(target), "--reference", str(hf), "--drafter", f"untrained={drafter}",
+                         "--ngram", f"table={root / 'table'}",
                          "--window", f"sidecars={window}", "--curve", str(run), "--batch-sizes", "1", "2",
                          "--untrained", "--policies", "adaptive", "longest", *common(root)])
     raw = (root / "out" / "lossless.json").read_text()
@@ -79,7 +84,8 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     speed = data["parts"]["speed"]
     assert set(speed["batches"]) == {"1", "2"}
     verified = {"verify:lookup", "verify:untrained", "verify:lookup+untrained", "verify:sidecars", "verify:window",
-                "verify:fresh", "verify:lookup+fresh"}
+                "verify:fresh", "verify:lookup+fresh", "verify:table", "verify:lookup+table",
+                "verify:lookup+table+untrained", "verify:lookup+table+fresh"}
     verified |= {f"{name}@longest" for name in verified}  # every verified decoder under both policies
     for batch, entries in speed["batches"].items():
         assert set(entries) == {"code", "chat", "prose", "all"}
@@ -124,7 +130,8 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
     assert speed["timing"] == "fastest batch" and "each batch's fastest decode" in text
     # the costs the policy measured, by source: a forward of each width at the call's rows and at one row
-    assert set(speed["costs"]) == {"lookup", "window", "untrained", "lookup+untrained", "fresh", "lookup+fresh"}
+    assert set(speed["costs"]) == {"lookup", "window", "untrained", "lookup+untrained", "fresh", "lookup+fresh", "table",
+                                   "lookup+table", "lookup+table+untrained", "lookup+table+fresh"}
     lookup = speed["costs"]["lookup"]
     assert set(lookup["verify"]) == {"1", "2"} and set(lookup["verify"]["2"]) == {"1", "2", "3"}
     assert lookup["draft"]["1"] == 0 and speed["costs"]["untrained"]["draft"]["1"] > 0
@@ -213,6 +220,7 @@ def test_humaneval_scoring_runs_the_harness():
     (["--parts", "curve"], "give at least one --curve RUN_DIR"),
     (["--window", "w=NOWHERE"], "is not a model folder"),
     (["--drafter", "x=DRAFTER", "--window", "x=DRAFTER"], "names must differ"),
+    (["--ngram", "t=DRAFTER"], "is not an n-gram table folder"),
     (["--policies", "adaptive", "adaptive"], "lists a policy twice"),
     (["--out", "DRAFTER/config.json"], "is a file, not a folder"),
     (["--results-md", "DRAFTER"], "is a folder, not a file"),

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from r2lm import R2LMForDiffusionLM
 from r2lm.cli.generate import build_parser, decoding_options, main
+from r2lm.ngram import NGramTable
 from tests.helpers import REPO
 from tests.helpers.checkpoints import damage_weights
 from tests.helpers.models import make_model_dir, tiny_hf_config, tiny_tokenizer
@@ -136,6 +137,24 @@ def test_a_drafter_flag_without_a_usable_drafter_is_named(checkpoint, capsys):
     assert exit_.value.code == 2 and "--drafter was given an empty folder name" in capsys.readouterr().err
     code, out, err = run([checkpoint, "--prompt", "x", "--drafter"], capsys)
     assert code == 2 and f"r2lm ships no drafter for {checkpoint}'s model" in err and out == ""
+
+
+def test_an_ngram_table_drafts_the_models_own_text(checkpoint, tmp_path, capsys):
+    """--ngram DIR: verified decoding with the table's drafts beside lookup's prints the model's own greedy text (as
+    lookup alone does); --ngram alone asks for the table r2lm ships for the model (none for this tiny one); an empty
+    folder name is refused."""
+    vocab = R2LMForDiffusionLM.from_pretrained(checkpoint).config.vocab_size
+    table = NGramTable.build([torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(0)).tolist()],
+                             vocab, min_count=1)
+    table.save(tmp_path / "table")
+    code, out, _ = run([checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--ngram", tmp_path / "table"], capsys)
+    texts, _ = expected(checkpoint, PROMPTS, verify=True, verify_draft="lookup")
+    assert code == 0 and out.splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
+    code, out, err = run([checkpoint, "--prompt", "x", "--ngram"], capsys)
+    assert code == 2 and f"r2lm ships no n-gram table for {checkpoint}'s model" in err and out == ""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(checkpoint), "--prompt", "x", "--ngram", ""])
+    assert exit_.value.code == 2 and "--ngram was given an empty folder name" in capsys.readouterr().err
 
 
 def test_bad_input_is_named(checkpoint, tmp_path, capsys):

@@ -357,7 +357,7 @@ def test_verify_refuses_what_it_cannot_verify():
              ({}, dict(use_cache=False), "exact cache"),
              ({}, dict(verify_windows=1), "verify_windows must be an int in"),
              ({}, dict(verify_windows=3, block_size=1), "verify_windows must be an int in"),
-             ({}, dict(verify_draft="ngram"), "verify_draft must be one of"),
+             ({}, dict(verify_draft="suffix"), "verify_draft must be one of"),
              ({}, dict(verify_draft="lookup", verify_windows=2), "drafts without any")]
     for overrides, options, message in cases:
         with pytest.raises(ValueError, match=message):

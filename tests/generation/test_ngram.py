@@ -1,0 +1,206 @@
+"""N-gram tables (r2lm.ngram) and their drafts in verified decoding: the table drafts what a brute-force count of
+the corpus, written from the module's description, drafts; whatever it drafts, the output is transformers' greedy
+output; a table is written whole, read back equal, refused when damaged, not a table, or built for another
+vocabulary."""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from r2lm import generate
+from r2lm.generation.policy import Adaptive, Longest
+from r2lm.ngram import CONFIG, TABLE, NGramTable, TableConfig, sharegpt_replies
+from tests.generation.test_drafter import trained
+from tests.helpers.decoding import left_padded
+from tests.helpers.models import MASK_ID, VOCAB, tiny_conversion
+
+FILL = 99
+
+
+def brute_force(corpus: list[list[int]], order: int, min_count: int, text: list[int], size: int):
+    """(drafts, confidences): each next token the one most often after the longest context of 1 .. order tokens
+    ending the text (and the tokens drafted before it) seen at least min_count times inside one sequence of the
+    corpus (the lowest id among equals), with its share of that context's occurrences; FILL (0.0) once none is."""
+    follows: dict[tuple, Counter] = {}
+    for sequence in corpus:
+        for i in range(1, len(sequence)):
+            for n in range(1, min(order, i) + 1):
+                follows.setdefault(tuple(sequence[i - n : i]), Counter())[sequence[i]] += 1
+    text, drafts, confidences = list(text), [], []
+    for _ in range(size):
+        guess = None
+        for n in range(min(order, len(text)), 0, -1):
+            counts = follows.get(tuple(text[-n:]))
+            if min(text[-n:]) >= 0 and counts and sum(counts.values()) >= min_count:
+                most = max(counts.values())
+                guess = (min(t for t, c in counts.items() if c == most), most / sum(counts.values()))
+                break
+        if guess is None:
+            break
+        drafts.append(guess[0])
+        confidences.append(guess[1])
+        text.append(guess[0])
+    return drafts + [FILL] * (size - len(drafts)), confidences + [0.0] * (size - len(drafts))
+
+
+def test_drafts_are_the_brute_force_count():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vocab = int(torch.randint(3, 7, (1,), generator=g))  # few tokens: contexts recur, counts tie
+        corpus = [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(int(torch.randint(0, 5, (1,), generator=g)))]
+        order, min_count = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        table = NGramTable.build(corpus, vocab, order, min_count)
+        batch, width, size = 3, 8, int(torch.randint(1, 6, (1,), generator=g))
+        text = torch.randint(0, vocab, (batch, width), generator=g)
+        end = torch.randint(1, width + 1, (batch,), generator=g)
+        for row in range(batch):  # left padding, at least one token left
+            text[row, : int(torch.randint(0, int(end[row]), (1,), generator=g))] = -1
+        drafts, confidences = table.draft(text, end, size, FILL)
+        for row in range(batch):
+            tokens = [t for t in text[row, : int(end[row])].tolist() if t >= 0]
+            want, sure = brute_force(corpus, order, min_count, tokens, size)
+            assert drafts[row].tolist() == want, (trial, row, tokens, corpus)
+            assert confidences[row].tolist() == pytest.approx(sure), (trial, row)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 5\)"):
+        NGramTable.build([[1, 2, 5]], 5)
+    with pytest.raises(ValueError, match="order must be in"):
+        NGramTable.build([[1, 2]], 5, order=9)
+    with pytest.raises(ValueError, match="min_count must be a positive integer"):
+        NGramTable.build([[1, 2]], 5, min_count=0)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(transformers model, its R2LM conversion, a table of the target's greedy text on the tests' prompts with a
+    token in five changed: its drafts are mostly right, not always)."""
+    hf, target = tiny_conversion(tmp_path_factory.mktemp("ngram"), "qwen3", sidecar_layers=[])
+    ids, mask = left_padded()
+    text = hf.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    g = torch.Generator().manual_seed(7)
+    corpus = []
+    for row, pad in zip(text, (mask == 0).sum(1).tolist(), strict=True):
+        row = row[pad:].clone()
+        changed = torch.rand(len(row), generator=g) < 0.2
+        row[changed] = torch.randint(0, MASK_ID - 1, (int(changed.sum()),), generator=g)
+        corpus.append(row.tolist())
+    return hf, target, NGramTable.build(corpus, VOCAB, min_count=1)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "lookup+ngram", "lookup+ngram+drafter"])
+def test_drafts_never_change_the_output(setup, kind):
+    """A left-padded batch, an EOS that stops a row early, every draft whole or the adaptive policy's choices:
+    transformers' greedy output, with drafts accepted."""
+    hf, target, table = setup
+    options = dict(drafter=trained(target)) if "drafter" in kind else {}
+    ids, mask = left_padded()
+    for eos in (None, "row 0's sixth"):
+        greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=23, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+        eos_id = None if eos is None else int(greedy[0, ids.shape[1] + 5])
+        if eos_id is not None:
+            greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=23, do_sample=False, pad_token_id=0,
+                                 eos_token_id=eos_id)
+        for policy in (Longest(), Adaptive()):
+            out = generate(target, ids, mask, max_new_tokens=23, verify=True, ngram=table, verify_draft=kind,
+                           verify_policy=policy, eos_token_id=eos_id, pad_token_id=0, **options)
+            got = out.sequences[:, : greedy.shape[1]]
+            assert torch.equal(got, greedy), (kind, eos, type(policy).__name__)
+            if isinstance(policy, Longest):
+                assert out.steps < out.sequences.shape[1] - ids.shape[1]  # drafts were accepted: fewer steps than tokens
+
+
+def test_a_table_of_another_vocabulary_and_misused_options_are_refused(setup):
+    _, target, table = setup
+    ids = torch.randint(0, MASK_ID - 1, (1, 5))
+    other = NGramTable.build([[1, 2, 3]], VOCAB - 1)
+    with pytest.raises(ValueError, match=f"built for a vocabulary of {VOCAB - 1} tokens"):
+        generate(target, ids, max_new_tokens=4, verify=True, ngram=other)
+    cases = [(dict(ngram=table), "pass verify=True"),
+             (dict(verify=True, verify_draft="ngram"), r"needs an n-gram table \(ngram=...\)"),
+             (dict(verify=True, ngram=table, verify_draft="lookup"), "does not use the ngram given"),
+             (dict(verify=True, ngram="table"), "ngram must be an r2lm.ngram.NGramTable")]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate(target, ids, max_new_tokens=4, **options)
+
+
+def test_a_table_is_saved_whole_and_read_back_equal(setup, tmp_path):
+    table = setup[2]
+    table.save(tmp_path / "table")
+    back = NGramTable.load(tmp_path / "table")
+    assert back.config == table.config and torch.equal(back.keys, table.keys) and torch.equal(back.next, table.next)
+    assert torch.allclose(back.confidence, table.confidence, atol=1e-3)  # kept in float16
+    text, end = torch.tensor([[3, 4, 5, 6]]), torch.tensor([4])
+    assert torch.equal(back.draft(text, end, 5, FILL)[0], table.draft(text, end, 5, FILL)[0])
+    # an existing folder is replaced only when asked, and only if r2lm wrote it; nothing else is touched
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        table.save(tmp_path / "table")
+    table.save(tmp_path / "table", overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="it was not written by r2lm"):
+        table.save(other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["other", "table"]
+
+
+@pytest.mark.parametrize("damage", [TABLE, CONFIG])
+def test_a_damaged_table_is_refused_by_name(setup, tmp_path, damage):
+    setup[2].save(tmp_path / "table")
+    path = tmp_path / "table" / damage
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{damage} is damaged"):
+        NGramTable.load(tmp_path / "table")
+    with pytest.raises(ValueError, match="is not an n-gram table folder"):
+        NGramTable.load(tmp_path)
+
+
+def test_the_shipped_table_loads_and_drafts():
+    """r2lm/ngrams/smollm2-135m-instruct: small, checked against its checksums, counted from ShareGPT's training
+    split in SmolLM2's vocabulary, found by its target's digest; a one-token context it holds drafts its token."""
+    from r2lm.ngram import SHIPPED
+
+    folder = SHIPPED / "smollm2-135m-instruct"
+    assert sorted(p.name for p in folder.iterdir()) == ["checksums.sha256", CONFIG, TABLE]
+    assert (folder / TABLE).stat().st_size <= 8 * 2**20
+    table = NGramTable.load(folder)
+    config = json.loads((folder / CONFIG).read_text())
+    assert TableConfig(**config) == table.config and table.config.vocab_size == 49153
+    assert len(config["target_digest"]) == 16 and "training split" in table.config.corpus and table.config.tokens > 10**7
+    bits, order = table.config.bits, table.config.order
+    single = (table.keys >> (bits * order)) == 1  # contexts of one token
+    token = int(table.keys[single][100] & (2**bits - 1))
+    drafts, confidence = table.draft(torch.tensor([[token]]), torch.tensor([1]), 4, FILL)
+    assert int(drafts[0, 0]) == int(table.next[single][100]) and (confidence[0, :1] > 0).all()
+
+
+def test_a_damaged_copy_of_the_shipped_table_is_refused(tmp_path):
+    from r2lm.ngram import SHIPPED
+
+    copy = tmp_path / "table"
+    shutil.copytree(SHIPPED / "smollm2-135m-instruct", copy)
+    path = copy / TABLE
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{TABLE} is damaged"):
+        NGramTable.load(copy)
+
+
+def test_sharegpt_replies_are_the_training_split_assistant_turns():
+    from r2lm.workloads import conversation_of, heldout_conversations, sharegpt_split
+
+    conversations = [c for _, c in zip(range(50), sharegpt_split("train"), strict=False)]
+    held = heldout_conversations()
+    assert not any(conversation_of(c["id"]) in held for c in conversations)
+    want = [turn["value"] for c in conversations for turn in c["conversations"] if turn["from"] == "gpt" and turn["value"]]
+    assert list(sharegpt_replies(limit=50)) == want and want
