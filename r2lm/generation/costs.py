@@ -9,23 +9,40 @@ r2lm.ops.linear tuner keeps its decisions. Widths and row counts between the mea
 a forward's cost is close to affine in its columns and its rows. The measurement never touches the call's cache,
 so it changes no output: what verified decoding commits is the target's greedy text whatever the costs are.
 
+A measurement can meet a passing load (another process's seconds on a shared core): kept for the process, it would
+misprice every step after it. So a table whose wider forwards came out cheaper than narrower ones (more columns
+never cost less, beyond noise) is measured again at once, and the policy asks for a new measurement when the steps
+themselves disagree with their prices (`StepClock`, `remeasure`).
+
+A step is also more than the forwards timed on a scratch cache (the drafter's context caught up, the step's host
+work), and a forward width can cost more than its measured neighbours suggest (its products in orders of its own):
+`StepClock` keeps what steps took against their prices, per width, and the policy prices each width at that.
+
 `ScriptedCosts` says the costs instead (tests; a user who measured them elsewhere).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from r2lm.ops.linear import tuner_of
 
 TRIALS = 3  # timed forwards per measured shape, after untimed ones (allocation, kernel choice, product orders)
 SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner times its orders in a class's first uses
+SLACK = 0.8  # a wider forward timed below this share of a narrower one's cost: the timing met a load, measure again
+RETRIES = 2  # at most this many immediate re-measurements of an implausible table
+REMEASURES = 3  # at most this many re-measurements a policy may ask of a table
+CLOCK_DECAY = 0.8  # per step: the running ratios of a step's wall time to its price
+CLOCK_RANGE = (0.5, 4.0)  # what those ratios may reach (one slow step, a page fault, must not decide alone)
+DISAGREE = 2.0  # steps this many times slower or faster than their price: the forwards are measured again
 
 
 class StepCosts(ABC):
@@ -39,6 +56,11 @@ class StepCosts(ABC):
     def draft(self, rows: int) -> float:
         """What drafting adds to a step over `rows` rows: the drafter's forward and the append of the step's
         committed column to its context (0 for a source that drafts without a forward of its own)."""
+
+    def remeasure(self, rows: int, disagreement: float) -> bool:
+        """Time the forwards at `rows` rows again, where steps took `disagreement` times their price; whether it
+        did (costs that are said, not measured, are never measured again)."""
+        return False
 
 
 class ScriptedCosts(StepCosts):
@@ -75,6 +97,12 @@ def measured_widths(widest: int) -> list[int]:
     return [*out, widest]
 
 
+def plausible(widths: dict[int, float]) -> bool:
+    """Whether no wider forward was timed well below a narrower one (`widths`: width -> seconds)."""
+    costs = [widths[w] for w in sorted(widths)]
+    return all(later >= SLACK * max(costs[: i + 1]) for i, later in enumerate(costs))
+
+
 def timed(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -99,28 +127,53 @@ class MeasuredCosts(StepCosts):
         self.tuners = {id(t): t for t in map(tuner_of, models) if t is not None}.values()
         self.verify_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds
         self.draft_table: dict[int, float] = {}  # rows -> seconds
+        self.remeasures, self.settled = 0, False
 
     def measure(self, rows: int) -> None:
         """Time the forwards at `rows` rows (and at one row), unless done before."""
         for r in sorted({1, rows}):
             if r in self.verify_table:
                 continue
-            runs = {w: self.forward(r, w) for w in self.widths}
-            drafting = None if self.drafting is None else self.drafting(r)
-            if drafting is not None:
-                runs["draft"] = drafting
-            for fn in runs.values():  # untimed: until the tuners have decided every product order it uses, which
-                for _ in range(SETTLE):  # a forward that times no product shows (classes it never uses do not count)
-                    before = self.timings()
-                    fn()
-                    if self.timings() == before:
-                        break
-            times: dict = {k: [] for k in runs}
-            for _ in range(TRIALS):  # interleaved: a load that comes and goes hits every width alike
-                for key, fn in runs.items():
-                    times[key].append(timed(fn, self.device))
-            self.verify_table[r] = {w: statistics.median(times[w]) for w in self.widths}
-            self.draft_table[r] = statistics.median(times["draft"]) if "draft" in times else 0.0
+            for _ in range(RETRIES + 1):
+                self.verify_table[r], self.draft_table[r] = self.time_forwards(r)
+                if plausible(self.verify_table[r]):
+                    break
+
+    def time_forwards(self, rows: int) -> tuple[dict[int, float], float]:
+        """The median seconds of each width's forward and of drafting at `rows` rows."""
+        runs = {w: self.forward(rows, w) for w in self.widths}
+        drafting = None if self.drafting is None else self.drafting(rows)
+        if drafting is not None:
+            runs["draft"] = drafting
+        for fn in runs.values():  # untimed: until the tuners have decided every product order it uses, which
+            for _ in range(SETTLE):  # a forward that times no product shows (classes it never uses do not count)
+                before = self.timings()
+                fn()
+                if self.timings() == before:
+                    break
+        times: dict = {k: [] for k in runs}
+        for _ in range(TRIALS):  # interleaved: a load that comes and goes hits every width alike
+            for key, fn in runs.items():
+                times[key].append(timed(fn, self.device))
+        return ({w: statistics.median(times[w]) for w in self.widths},
+                statistics.median(times["draft"]) if "draft" in times else 0.0)
+
+    def remeasure(self, rows: int, disagreement: float) -> bool:
+        """Time `rows`' forwards (and one row's) again: steps took `disagreement` (more than DISAGREE, or less than
+        its inverse) times their price, as after a measurement that met a passing load. At most REMEASURES times,
+        and never again once a new measurement moved less than half the way the steps pointed (steps that really
+        differ from their forwards, a fixed host cost beside a fast device or a tiny model, are not a measurement's
+        error: measuring on would not change it)."""
+        if self.settled or self.remeasures >= REMEASURES:
+            return False
+        before = self.verify(rows, 1)
+        for r in {1, rows}:
+            self.verify_table.pop(r, None)
+            self.draft_table.pop(r, None)
+        self.measure(rows)
+        self.remeasures += 1
+        self.settled = math.log(self.verify(rows, 1) / before) / math.log(disagreement) < 0.5
+        return True
 
     def timings(self) -> int:
         """Products the models' tuners have timed so far (r2lm.ops.linear.Tuner.timings)."""
@@ -134,9 +187,54 @@ class MeasuredCosts(StepCosts):
         return max(interpolate(self.draft_table, rows), 0.0)
 
     def table(self) -> dict:
-        """What was measured (for a benchmark's JSON): seconds by rows and width, and of drafting by rows."""
+        """What was measured (for a benchmark's JSON): seconds by rows and width, and of drafting by rows; how often
+        steps had it measured again, and whether they will no more."""
         return {"verify": {str(r): {str(w): s for w, s in t.items()} for r, t in self.verify_table.items()},
-                "draft": {str(r): s for r, s in self.draft_table.items()}}
+                "draft": {str(r): s for r, s in self.draft_table.items()},
+                "remeasured": self.remeasures, "final": self.settled or self.remeasures >= REMEASURES}
+
+
+class StepClock:
+    """What steps show the measured prices to be: running ratios of a step's wall time (from one host sync to the
+    next) to its price, for the forwards of each column count c (`columns[c]`, NaN until a step of c columns is
+    timed; what prices that width), for all forwards together (`forward`: whether the measurement is in doubt),
+    and for drafting (what steps with the drafter's forward took beyond their forward, against its price)."""
+
+    def __init__(self, columns: int):
+        self.forward = self.drafting = 1.0
+        self.columns = np.full(columns + 1, np.nan)
+
+    def fit(self, columns: int) -> None:
+        """Room for forwards of up to `columns` columns (a call verifying more siblings than those before)."""
+        if len(self.columns) <= columns:
+            self.columns = np.concatenate([self.columns, np.full(columns + 1 - len(self.columns), np.nan)])
+
+    def factors(self) -> np.ndarray:
+        """[c]: what a forward of c columns takes against its price: its steps' own ratio, or 1 (the measurement
+        taken at its word) until one is timed: a width that steps would show cheaper is tried, where the ratio of
+        all forwards, made of the widths chosen, would price it with them."""
+        return np.nan_to_num(self.columns, nan=1.0)
+
+    def forward_step(self, seconds: float, price: float, columns: int) -> bool:
+        """A step without drafting, of `columns` columns priced `price`, took `seconds`; whether steps now disagree
+        with their prices (DISAGREE)."""
+        self.columns[columns] = running(self.factors()[columns], seconds / price)
+        self.forward = running(self.forward, seconds / price)
+        return not 1 / DISAGREE < self.forward < DISAGREE
+
+    def drafting_step(self, seconds: float, price: float, columns: int, drafting: float) -> None:
+        """A step with the drafter's forward, its forward of `columns` columns priced `price` and drafting
+        `drafting`, took `seconds`."""
+        self.drafting = running(self.drafting, (seconds - price * self.factors()[columns]) / drafting)
+
+    def reset(self) -> None:
+        self.forward = self.drafting = 1.0
+        self.columns[:] = np.nan
+
+
+def running(ratio: float, observed: float) -> float:
+    """A running ratio of steps' time to their price after one more step (within CLOCK_RANGE)."""
+    return float(np.clip(CLOCK_DECAY * ratio + (1 - CLOCK_DECAY) * observed, *CLOCK_RANGE))
 
 
 # the tables measured in this process: per model, per (draft source, its shape, threads)

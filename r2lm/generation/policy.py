@@ -13,10 +13,13 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   on average; a [MASK] (no draft) has q = 0, so a draft effectively stops where its confidence falls;
 - cost (r2lm.generation.costs): C(R, w), the seconds of a forward over R rows that verifies w - 1 tokens of each,
   and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context),
-  both timed on a scratch cache; and checked against the steps themselves: each step's wall time (from one host
-  sync to the next) keeps running ratios of what steps without and with the drafter's forward took to their
-  price, and drafting is counted at what it took (the drafter's context caught up, the step's host work: more
-  than the drafter's forward alone; docs/results.md, "Siblings");
+  both timed on a scratch cache; and checked against the steps themselves (r2lm.generation.costs.StepClock):
+  each forward width is priced at what its own steps took against its measured cost (a width can cost more than
+  its neighbours' measured costs suggest: its products' orders are its own), drafting at what steps with it took
+  beyond their forward (the drafter's context caught up, the step's host work: more than the drafter's forward
+  alone; docs/results.md, "Siblings"), and where steps without the drafter take more than DISAGREE times or less
+  than 1 / DISAGREE of their price, the measurement itself is in doubt (it met a passing load) and the forwards
+  are timed again (MeasuredCosts.remeasure);
 
 Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
 the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each
@@ -52,7 +55,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from r2lm.generation.costs import StepCosts
+from r2lm.generation.costs import StepClock, StepCosts
 
 BUCKETS = 10  # confidence buckets of a source's acceptance estimate
 POSITIONS = 4  # positions in the draft it tells apart (the first, second, third, any later one)
@@ -62,8 +65,6 @@ SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting 
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
-CLOCK_DECAY = 0.8  # per step: the running ratios of a step's wall time to its price
-CLOCK_RANGE = (0.5, 4.0)  # what those ratios may reach (one slow step, a page fault, must not decide alone)
 MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
 
@@ -234,9 +235,9 @@ class Adaptive(Policy):
         # the siblings' own: a cell is (confidence, rank among the siblings), a token accepted where it is the
         # target's, whatever the draft's first token was
         self.sibling_estimates = {name: kept.setdefault((key, name, "siblings"), Acceptance()) for name in sources}
-        # [forward, drafting]: running ratios of what steps took to what the measured costs price them at (a step is
-        # more than the forwards timed on a scratch cache: the drafter's context caught up, the step's host work)
-        self.clock = kept.setdefault((key, "clock"), np.ones(2))
+        # what steps took against their prices (r2lm.generation.costs.StepClock), kept like the estimates
+        self.clock = kept.setdefault((key, "clock"), StepClock(max(widths) + siblings))
+        self.clock.fit(max(widths) + siblings)
         self.drafting = False  # whether the drafter's forward ran in the step now running (`worth` said so)
         self.drafted = False  # whether it ran in the step before
         self.decided: tuple | None = None  # (proposal, width, siblings): `width`'s choice, which `siblings` reads
@@ -295,28 +296,32 @@ class Adaptive(Policy):
             self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
                                       per_row, c.draft(rows),
                                       np.array([c.verify(rows, w) for w in range(1, max(self.widths) + self.most_siblings + 1)]))
+        # each forward and drafting at what steps show they cost
+        own = self.clock.factors()
         price = self.prices[key]
-        # drafting at what steps show it costs, in the forwards' terms (their own ratio cancels in every comparison)
-        ratio = self.clock[1] / self.clock[0]
-        return price if ratio == 1.0 else replace(price, draft=price.draft * ratio)
+        return replace(price, verify=price.verify * own[price.widths], ar=price.ar * own[1],
+                       per_row=price.per_row * own[1], draft=price.draft * self.clock.drafting,
+                       columns=price.columns * own[1:len(price.columns) + 1])
 
     def timed(self, seconds: float, columns: int, rows: int) -> None:
         """A step of `columns` columns over `rows` rows took `seconds`: without the drafter's forward it updates the
-        forwards' ratio, with it the drafting's (what the step took beyond its forward, against the drafting price),
-        where the step before drafted too (after AR steps the drafter first appends all their columns: a backlog,
-        not what drafting on costs)."""
+        forwards' ratios (overall and its column count's), with it the drafting's (what the step took beyond its
+        forward, against the drafting price), where the step before drafted too (after AR steps the drafter first
+        appends all their columns: a backlog, not what drafting on costs). Steps far from their price (DISAGREE)
+        have the forwards measured again."""
         if self.costs is None or self.scripted is not None:  # costs said, not measured: in no unit of time
             return
         self.price(rows)
         price = self.prices[self.costs, rows]  # as measured
-        forward = price.columns[min(columns, len(price.columns)) - 1]
-        if not self.drafting:
-            observed, index = seconds / forward, 0
-        elif price.draft > 0 and self.drafted:
-            observed, index = (seconds - forward * self.clock[0]) / price.draft, 1
-        else:
-            return
-        self.clock[index] = np.clip(CLOCK_DECAY * self.clock[index] + (1 - CLOCK_DECAY) * observed, *CLOCK_RANGE)
+        columns = min(columns, len(price.columns))
+        forward = price.columns[columns - 1]
+        if self.drafting:
+            if price.draft > 0 and self.drafted:
+                self.clock.drafting_step(seconds, forward, columns, price.draft)
+        elif self.clock.forward_step(seconds, forward, columns) and self.costs.remeasure(rows, self.clock.forward):
+            self.prices.clear()  # the new table's prices, and ratios against them
+            self.verdicts = {}
+            self.clock.reset()
 
     def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
         """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module
@@ -386,7 +391,7 @@ class Adaptive(Policy):
         if free is None:  # the answer changes only with what was learnt and the rows' gaps: not at every AR step
             gaps = None if self.remaining is None else (self.remaining.max() - self.remaining, self.remaining.min() < b)
             key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]),
-                   round(float(self.clock[1] / self.clock[0]), 2))
+                   np.round(self.clock.factors(), 2).tobytes(), round(self.clock.drafting, 2))
             if key not in self.verdicts:
                 self.verdicts = {key: self.pays(source, index, None, rows)}
             use = self.verdicts[key] or self.probe_due(source, rows)

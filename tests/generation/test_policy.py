@@ -3,6 +3,7 @@ greedy output; it takes AR steps where drafting costs more than it brings and wh
 cheap; every length works with every draft source (issue 40 item 1: max_new_tokens=1 and block_size=1 crashed)."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -285,6 +286,68 @@ def test_steps_that_take_longer_than_priced_make_drafting_dearer():
     assert all(decisions(extra=4.0, policy=said))
 
 
+def test_a_width_whose_steps_cost_more_than_priced_is_left_for_another():
+    """A forward width can cost more than its measured neighbours suggest (its products' orders are its own) or
+    than one measurement said: its steps' own times price it. Width 3 priced at its neighbours' line but taking
+    three times that: the policy turns to width 2 (the draft's first token) within a few steps, and keeps it."""
+    forward = lambda rows, width: 1.0 + 0.02 * (width - 1)  # noqa: E731
+    took = lambda width: 3 * forward(1, width) if width == 3 else forward(1, width)  # noqa: E731
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3), ScriptedCosts(forward), 99)
+    sure = Proposal(np.array([[1, 2, 99]]), np.full((1, 3), 0.9), np.array([0]))  # two tokens, always accepted
+    chosen = []
+    for _ in range(20):
+        chosen.append(policy.width(sure))
+        policy.observe(sure, chosen[-1], np.array([chosen[-1] - 1]), np.array([100]), seconds=took(chosen[-1]))
+    assert chosen[0] == 3 and chosen.count(3) <= 4 and set(chosen[-10:]) == {2}
+
+
+def slowed_forwards(slowed: dict):
+    """Forwards that sleep 4 ms per column and a fixed 4 ms, three times as long while a load lasts
+    (`slowed[width]`: calls of that width still slowed; "any": of any width)."""
+    def forward(rows, width):
+        def run():
+            load = slowed.get(width, 0) > 0 or slowed.get("any", 0) > 0
+            time.sleep(0.004 * (1 + width) * (3 if load else 1))
+            for key in (width, "any"):
+                slowed[key] = slowed.get(key, 0) - 1
+        return run
+    return forward
+
+
+def test_a_measurement_that_met_a_passing_load_is_measured_again():
+    """A cost table timed while another process held the core would misprice every step for the whole process.
+    Steps far faster than their prices make the policy time the forwards again, once; a table whose wider forward
+    came out cheaper than a narrower one is timed again at once; steps that stay slower than their forwards after
+    a new measurement agreed with the old one (a fixed cost beside the forward) do not make it measure on."""
+    nothing = Proposal(np.full((1, 4), 99), np.zeros((1, 4)), np.array([0]))
+    calls = 3 * (1 + COST_TRIALS)  # a measurement at one row: widths 1, 2, 4, each run once untimed, then timed
+    slowed = {"any": calls}
+    costs = MeasuredCosts(slowed_forwards(slowed), [1, 2, 4], None, torch.device("cpu"))
+    costs.measure(1)
+    assert costs.verify(1, 1) >= 0.024  # the whole first measurement met the load
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
+    for _ in range(12):  # AR steps, at what they take without the load
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.008)
+    assert costs.remeasures == 1 and costs.verify(1, 1) < 0.016 and not costs.settled
+    assert 0.5 < policy.clock.forward < 2 and policy.price(1).ar < 0.016  # priced at the new measurement
+
+    slowed = {2: 1 + COST_TRIALS}  # only width 2's forwards met the load: 4 ms x 3 x 3 > 4 ms x 5
+    implausible = MeasuredCosts(slowed_forwards(slowed), [1, 2, 4], None, torch.device("cpu"))
+    implausible.measure(1)
+    table = implausible.verify_table[1]
+    assert table[1] < table[2] < table[4] and table[2] < 0.024
+
+    steady = MeasuredCosts(slowed_forwards({}), [1, 2, 4], None, torch.device("cpu"))
+    steady.measure(1)
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3, 4), steady, 99)
+    for _ in range(40):  # every step three times its forward
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=3 * steady.verify(1, 1))
+    assert steady.remeasures == 1 and steady.settled
+
+
 def test_cost_tables_interpolate_between_measured_shapes():
     assert measured_widths(8) == [1, 2, 4, 8] and measured_widths(1) == [1] and measured_widths(6) == [1, 2, 4, 6]
     table = {1: 1.0, 4: 2.5}
@@ -324,7 +387,7 @@ def test_measuring_settles_only_the_product_orders_its_forwards_use():
                 added.append(tuner.timings() - before)
             return run
 
-        MeasuredCosts(forward, [1, 2], None, torch.device("cpu"), (model,)).measure(1)
+        MeasuredCosts(forward, [1, 2], None, torch.device("cpu"), (model,)).time_forwards(1)  # one measurement
     assert tuner.undecided() == 1
     # each width: forwards that time products until one times none; then the timed forwards, which time none
     assert added.count(0) == 2 + 2 * COST_TRIALS and added[-2 * COST_TRIALS - 1:] == [0] * (2 * COST_TRIALS + 1)
