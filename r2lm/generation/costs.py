@@ -3,10 +3,13 @@ width, and of drafting (a drafter's forward and append) by its rows (r2lm.genera
 expected acceptance).
 
 No machine's constants: `MeasuredCosts` times the forwards themselves, the first time a model decodes with a draft
-source at a batch size (a few forwards of each measured width at the call's rows and at one row, on a scratch cache
-of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as a
-r2lm.ops.linear tuner keeps its decisions. Widths and row counts between the measured ones are interpolated linearly:
-a forward's cost is close to affine in its columns and its rows. The measurement never touches the call's cache,
+source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a
+scratch cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
+a r2lm.ops.linear tuner keeps its decisions. Every width, not a few to interpolate between: a width's cost need not
+lie on its neighbours' line (on an AVX-512 EPYC width 3 took 1.3 AR steps where widths 2 and 4 took 1.05-1.1: its
+products' orders are its own), and timing it settles those orders before a step would (a tuner times a new shape
+class inside the first forwards that use it). Row counts between the measured ones (the call's and one) are
+interpolated linearly: a forward's cost is close to affine in its rows. The measurement never touches the call's cache,
 so it changes no output: what verified decoding commits is the target's greedy text whatever the costs are.
 
 A measurement can meet a passing load (another process's seconds on a shared core): kept for the process, it would
@@ -86,15 +89,6 @@ def interpolate(table: dict[int, float], x: int) -> float:
     if lo == hi:  # beyond the points: the slope of the nearest two
         lo, hi = (keys[0], keys[1]) if x < keys[0] else (keys[-2], keys[-1])
     return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
-
-
-def measured_widths(widest: int) -> list[int]:
-    """1, 2, 4, ... and the widest: the widths whose forwards are timed."""
-    out, w = [], 1
-    while w < widest:
-        out.append(w)
-        w *= 2
-    return [*out, widest]
 
 
 def plausible(widths: dict[int, float]) -> bool:

@@ -42,7 +42,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from r2lm.cache import KVCache
-from r2lm.generation.costs import MeasuredCosts, kept_costs, measured_widths
+from r2lm.generation.costs import MeasuredCosts, kept_costs
 from r2lm.generation.lookup import lookup_draft
 from r2lm.generation.policy import Policy, Proposal
 from r2lm.generation.sampling import propose
@@ -158,7 +158,7 @@ class Drafts(ABC):
             return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
 
         widest = max(self.widths) + self.siblings  # a forward of width w and k siblings reads w + k columns
-        widths = measured_widths(widest) if len(self.widths) > 2 else list(self.widths)
+        widths = list(range(1, widest + 1)) if len(self.widths) > 2 else list(self.widths)
         drafter = getattr(self, "drafter", None)
         models = (s.model,) if drafter is None else (s.model, drafter)  # whose product orders must settle first
         costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, widths, self.timed_drafting, s.device,

@@ -12,7 +12,7 @@ import torch
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation.costs import TRIALS as COST_TRIALS
-from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate, measured_widths
+from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy, Proposal
 from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
@@ -349,7 +349,6 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
 
 
 def test_cost_tables_interpolate_between_measured_shapes():
-    assert measured_widths(8) == [1, 2, 4, 8] and measured_widths(1) == [1] and measured_widths(6) == [1, 2, 4, 6]
     table = {1: 1.0, 4: 2.5}
     assert interpolate(table, 1) == 1.0 and interpolate(table, 2) == 1.5 and interpolate(table, 6) == 3.5
     assert interpolate({3: 2.0}, 7) == 2.0
@@ -365,7 +364,7 @@ def test_measured_costs_are_kept_per_model(converted):
     generate(target, ids, max_new_tokens=3, block_size=4, verify=True, verify_draft="lookup", eos_token_id=[])
     tables = measured_tables(target)
     key = next(k for k in tables if k[:2] == ("LookupDrafts", 4))
-    assert set(tables[key]["verify"]["1"]) == {"1", "2", "4"} and all(s > 0 for s in tables[key]["verify"]["1"].values())
+    assert set(tables[key]["verify"]["1"]) == {"1", "2", "3", "4"} and all(s > 0 for s in tables[key]["verify"]["1"].values())
     before = dict(tables[key]["verify"]["1"])
     generate(target, ids, max_new_tokens=3, block_size=4, verify=True, verify_draft="lookup", eos_token_id=[])
     assert measured_tables(target)[key]["verify"]["1"] == before
