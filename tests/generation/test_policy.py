@@ -303,12 +303,12 @@ def test_a_width_whose_steps_cost_more_than_priced_is_left_for_another():
 
 
 def slowed_forwards(slowed: dict):
-    """Forwards that sleep 4 ms per column and a fixed 4 ms, three times as long while a load lasts
+    """Forwards that sleep 8 ms per column and a fixed 4 ms, three times as long while a load lasts
     (`slowed[width]`: calls of that width still slowed; "any": of any width)."""
     def forward(rows, width):
         def run():
             load = slowed.get(width, 0) > 0 or slowed.get("any", 0) > 0
-            time.sleep(0.004 * (1 + width) * (3 if load else 1))
+            time.sleep(0.004 * (1 + 2 * width) * (3 if load else 1))
             for key in (width, "any"):
                 slowed[key] = slowed.get(key, 0) - 1
         return run
@@ -325,19 +325,19 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     slowed = {"any": calls}
     costs = MeasuredCosts(slowed_forwards(slowed), [1, 2, 4], None, torch.device("cpu"))
     costs.measure(1)
-    assert costs.verify(1, 1) >= 0.024  # the whole first measurement met the load
+    assert costs.verify(1, 1) >= 0.036  # the whole first measurement met the load
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
     for _ in range(12):  # AR steps, at what they take without the load
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.008)
-    assert costs.remeasures == 1 and costs.verify(1, 1) < 0.016 and not costs.settled
-    assert 0.5 < policy.clock.forward < 2 and policy.price(1).ar < 0.016  # priced at the new measurement
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.012)
+    assert costs.remeasures == 1 and costs.verify(1, 1) < 0.024 and not costs.settled
+    assert 0.5 < policy.clock.forward < 2 and policy.price(1).ar < 0.024  # priced at the new measurement
 
-    slowed = {2: 1 + COST_TRIALS}  # only width 2's forwards met the load: 4 ms x 3 x 3 > 4 ms x 5
+    slowed = {2: 1 + COST_TRIALS}  # only width 2's forwards met the load: 20 ms x 3 > 36 ms / 0.8
     implausible = MeasuredCosts(slowed_forwards(slowed), [1, 2, 4], None, torch.device("cpu"))
     implausible.measure(1)
     table = implausible.verify_table[1]
-    assert table[1] < table[2] < table[4] and table[2] < 0.024
+    assert table[1] < table[2] < table[4] and table[2] < 0.036
 
     steady = MeasuredCosts(slowed_forwards({}), [1, 2, 4], None, torch.device("cpu"))
     steady.measure(1)
