@@ -6,9 +6,9 @@ No machine's constants: `MeasuredCosts` times the forwards themselves, the first
 source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a
 scratch cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
 a r2lm.ops.linear tuner keeps its decisions. Every width, not a few to interpolate between: a width's cost need not
-lie on its neighbours' line (on an AVX-512 EPYC width 3 took 1.3 AR steps where widths 2 and 4 took 1.05-1.1: its
-products' orders are its own), and timing it settles those orders before a step would (a tuner times a new shape
-class inside the first forwards that use it). Row counts between the measured ones (the call's and one) are
+lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward width's own cost"), and
+timing it settles those orders before a step would (a tuner times a new shape class inside the first forwards that
+use it). Row counts between the measured ones (the call's and one) are
 interpolated linearly: a forward's cost is close to affine in its rows. The measurement never touches the call's cache,
 so it changes no output: what verified decoding commits is the target's greedy text whatever the costs are.
 
@@ -197,6 +197,7 @@ class StepClock:
     def __init__(self, columns: int):
         self.forward = self.drafting = 1.0
         self.columns = np.full(columns + 1, np.nan)
+        self.version = 0  # steps taken into account (what prices read from it are cached by)
 
     def fit(self, columns: int) -> None:
         """Room for forwards of up to `columns` columns (a call verifying more siblings than those before)."""
@@ -214,16 +215,19 @@ class StepClock:
         with their prices (DISAGREE)."""
         self.columns[columns] = running(self.factors()[columns], seconds / price)
         self.forward = running(self.forward, seconds / price)
+        self.version += 1
         return not 1 / DISAGREE < self.forward < DISAGREE
 
     def drafting_step(self, seconds: float, price: float, columns: int, drafting: float) -> None:
         """A step with the drafter's forward, its forward of `columns` columns priced `price` and drafting
         `drafting`, took `seconds`."""
         self.drafting = running(self.drafting, (seconds - price * self.factors()[columns]) / drafting)
+        self.version += 1
 
     def reset(self) -> None:
         self.forward = self.drafting = 1.0
         self.columns[:] = np.nan
+        self.version += 1
 
 
 def running(ratio: float, observed: float) -> float:

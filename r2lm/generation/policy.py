@@ -244,6 +244,7 @@ class Adaptive(Policy):
         self.row_accepted = self.row_tried = None  # [R, sources] this call's running counts
         self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
         self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
+        self.clocked: dict = {}  # (costs, rows) -> (the clock's version, those Prices at what steps show)
         self.learnt, self.verdicts = 0, {}  # observations that changed an estimate; `pays` answers since the last
 
     # --------------------------------------------------------------------------------------------- estimates
@@ -287,7 +288,8 @@ class Adaptive(Policy):
         return np.concatenate([np.ones((q.shape[0], 1)), 1 + np.cumsum(np.cumprod(q, 1), 1)], 1)
 
     def price(self, rows: int) -> Prices:
-        """The costs at `rows` rows, read from the cost model once per call (they do not change within one)."""
+        """The costs at `rows` rows: read from the cost model once per call (they do not change within one), each
+        forward and drafting at what steps show they cost (once per step the clock took in)."""
         key = (self.costs, rows)
         if key not in self.prices:
             c = self.costs
@@ -296,12 +298,12 @@ class Adaptive(Policy):
             self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
                                       per_row, c.draft(rows),
                                       np.array([c.verify(rows, w) for w in range(1, max(self.widths) + self.most_siblings + 1)]))
-        # each forward and drafting at what steps show they cost
-        own = self.clock.factors()
-        price = self.prices[key]
-        return replace(price, verify=price.verify * own[price.widths], ar=price.ar * own[1],
-                       per_row=price.per_row * own[1], draft=price.draft * self.clock.drafting,
-                       columns=price.columns * own[1:len(price.columns) + 1])
+        if self.clocked.get(key, (None,))[0] != self.clock.version:
+            own, price = self.clock.factors(), self.prices[key]
+            self.clocked[key] = self.clock.version, replace(
+                price, verify=price.verify * own[price.widths], ar=price.ar * own[1], per_row=price.per_row * own[1],
+                draft=price.draft * self.clock.drafting, columns=price.columns * own[1:len(price.columns) + 1])
+        return self.clocked[key][1]
 
     def timed(self, seconds: float, columns: int, rows: int) -> None:
         """A step of `columns` columns over `rows` rows took `seconds`: without the drafter's forward it updates the
@@ -320,6 +322,7 @@ class Adaptive(Policy):
                 self.clock.drafting_step(seconds, forward, columns, price.draft)
         elif self.clock.forward_step(seconds, forward, columns) and self.costs.remeasure(rows, self.clock.forward):
             self.prices.clear()  # the new table's prices, and ratios against them
+            self.clocked.clear()
             self.verdicts = {}
             self.clock.reset()
 
