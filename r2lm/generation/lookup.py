@@ -12,6 +12,7 @@ Vectorised over the batch (no host synchronisation): each row's text ends at its
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 MAX_NGRAM = 2  # longest suffix matched (transformers' default); shorter ones are tried when it has no match
 
@@ -24,19 +25,23 @@ def lookup_draft(text: torch.Tensor, end: torch.Tensor, size: int, fill: int, ma
     text [B, L]: each row's tokens in text[b, :end[b]], negative ids where a column holds no token (left
     padding), whatever after end[b]; end [B] long."""
     batch, length = text.shape
-    starts = torch.arange(length, device=text.device)
-    found = torch.zeros(batch, dtype=torch.bool, device=text.device)
-    source = torch.zeros(batch, dtype=torch.long, device=text.device)  # where each row's continuation starts
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = text.gather(1, (end[:, None] - n + torch.arange(n, device=text.device)).clamp(min=0))
-        windows = text.unfold(1, n, 1)  # [B, L - n + 1, n]: windows[b, s] = text[b, s : s + n]
-        # an earlier occurrence: of real tokens, followed by at least one token of the row's text
-        hits = (windows == suffix[:, None]).all(-1) & (suffix >= 0).all(-1, keepdim=True)
-        hits &= starts[: length - n + 1] + n < end[:, None]
-        latest = torch.where(hits, starts[: length - n + 1], -1).amax(1)
-        new = ~found & (latest >= 0)
-        source = torch.where(new, latest + n, source)
-        found |= new
-    at = source[:, None] + torch.arange(size, device=text.device)
+    longest = min(max_ngram, length - 1)
+    if longest < 1:  # a text of one column: nothing before its last token
+        return text.new_full((batch, size), fill)
+    positions = torch.arange(length, device=text.device)
+    back = torch.arange(longest, device=text.device)
+    suffix = text.gather(1, (end[:, None] - 1 - back).clamp(min=0))  # [B, n]: the row's last token, the one before, ..
+    same = text[:, None, :] == suffix[:, :, None]  # [B, n, L]
+    # an occurrence of the row's last n tokens ending at column p: text[p - i] is the (i+1)-th last token for i < n,
+    # of real tokens, and followed by at least one token of the row's text (p + 1 < end): grown one token at a time
+    match = positions + 1 < end[:, None]
+    latest = []  # [B] per n: the last column p where the last n tokens end earlier, -1 where they do not recur
+    for i in range(longest):
+        match = match & F.pad(same[:, i, : length - i], (i, 0)) & (suffix[:, i : i + 1] >= 0)
+        latest.append(torch.where(match, positions, -1).amax(1))
+    latest = torch.stack(latest, 1)  # [B, n]
+    n = ((latest >= 0) * (back + 1)).amax(1)  # the longest suffix that recurs (0: none)
+    source = latest.gather(1, (n - 1).clamp(min=0)[:, None]) + 1  # where each row's continuation starts
+    at = source + torch.arange(size, device=text.device)
     draft = text.gather(1, at.clamp(max=length - 1))
-    return torch.where(found[:, None] & (at < end[:, None]), draft, fill)
+    return torch.where((n > 0)[:, None] & (at < end[:, None]), draft, fill)
