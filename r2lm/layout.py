@@ -383,3 +383,22 @@ def dual_stream(x0: torch.Tensor, xt: torch.Tensor, block_size: int, prediction:
     )
     target = torch.cat([win_pos + offset, torch.full_like(pos, -1)])
     return torch.cat([win_inputs, x0], dim=1), layout, target
+
+
+def verify_layout(b: int, outcomes: list[int], device=None, siblings: int = 0) -> Layout:
+    """The columns of one verification forward, positions relative to the cache's next position: clean column j
+    at position j in chunk 2j + 1 (so it sees the clean columns before it), then for each j in `outcomes` window j
+    at positions j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j), then `siblings` clean
+    columns at position 1 in chunk 2, each on a branch of its own (so each sees the opener and itself, and no
+    column sees it but itself: the other candidates for the draft's first token)."""
+    one, window = torch.ones(1, 1, device=device), torch.ones(1, b, device=device)
+    clean = [Layout.span(one, start=j, chunk=2 * j + 1) for j in range(b)]
+    windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in outcomes]
+    if siblings:
+        if outcomes or b < 2:
+            raise ValueError("siblings stand in for a draft's first token: a clean draft of 2 columns or more")
+        clean.append(Layout(positions=torch.ones(1, siblings, dtype=torch.long, device=device),
+                            chunks=torch.full((siblings,), 2, device=device),
+                            noisy=torch.zeros(siblings, dtype=torch.bool, device=device),
+                            window_columns=slice(0, 0), branches=torch.arange(1, siblings + 1, device=device)))
+    return Layout.cat(*clean, *windows)

@@ -164,20 +164,17 @@ class NGramTable:
                              f"({self.config.tokenizer or 'its tokenizer'}); the model has {model_config.vocab_size}: "
                              "build one with its tokenizer (python -m r2lm.ngram build --model ...)")
 
-    def draft(self, text: torch.Tensor, end: torch.Tensor, size: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, size] drafts, [B, size] confidence) on text's device: each row's next tokens, each the likeliest
-        after the longest context the table holds of the row's text text[b, :end[b]] (negative ids: no token, as
-        left padding) and the tokens drafted before it; `fill` (confidence 0) from where the table holds none on.
+    def draft(self, texts: list[list[int]], size: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+        """([R, size] drafts, [R, size] confidence): each row's next tokens, each the likeliest after the longest
+        context the table holds of the row's text texts[r] (its tokens, on the host: r2lm.generation.lookup.RowTexts)
+        and the tokens drafted before it; `fill` (confidence 0) from where the table holds none on.
 
-        Looked up on the host, a row at a time: a few rows' dictionary lookups take microseconds there, where each of
-        a vectorised chain's many small tensor operations costs a dispatch (on a GPU this reads the rows' last
-        tokens: a sync)."""
-        back = torch.arange(1, self.config.order + 1, device=text.device)
-        latest = text.gather(1, (end[:, None] - back).clamp(min=0)).tolist()  # the last first
+        A row at a time in dictionary reads: a few rows' take microseconds, where each of a vectorised chain's many
+        small tensor operations costs a dispatch."""
         index, nexts, shares = self.index()
-        tokens, confidence = [[fill] * size for _ in latest], [[0.0] * size for _ in latest]
-        for row, (context, length) in enumerate(zip(latest, end.tolist(), strict=True)):
-            context = [t if n < length else -1 for n, t in enumerate(context)]  # none before the text's start
+        tokens, confidence = np.full((len(texts), size), fill, dtype=np.int64), np.zeros((len(texts), size))
+        for row, text in enumerate(texts):
+            context = text[: -self.config.order - 1 : -1]  # the last first
             for j in range(size):
                 held = None
                 for n in range(1, len(context) + 1):  # a context is held only if its shorter ones are
@@ -187,10 +184,9 @@ class NGramTable:
                     held = found
                 if held is None:
                     break
-                tokens[row][j], confidence[row][j] = nexts[held], shares[held]
-                context = [nexts[held], *context[:-1]]
-        return (torch.tensor(tokens, dtype=torch.long, device=text.device),
-                torch.tensor(confidence, dtype=torch.float32, device=text.device))
+                tokens[row, j], confidence[row, j] = nexts[held], shares[held]
+                context = [nexts[held], *context[:-1]] if len(context) == self.config.order else [nexts[held], *context]
+        return tokens, confidence
 
     def index(self) -> tuple[dict, list[int], list[float]]:
         """({context tokens, the last first: its row}, next tokens, confidences) as Python objects (made once)."""

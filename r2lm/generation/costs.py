@@ -198,17 +198,21 @@ class StepClock:
         self.forward = self.drafting = 1.0
         self.columns = np.full(columns + 1, np.nan)
         self.version = 0  # steps taken into account (what prices read from it are cached by)
+        self.made = (-1, None)  # (version, factors at it): read several times a step
 
     def fit(self, columns: int) -> None:
         """Room for forwards of up to `columns` columns (a call verifying more siblings than those before)."""
         if len(self.columns) <= columns:
             self.columns = np.concatenate([self.columns, np.full(columns + 1 - len(self.columns), np.nan)])
+            self.version += 1
 
     def factors(self) -> np.ndarray:
         """[c]: what a forward of c columns takes against its price: its steps' own ratio, or 1 (the measurement
         taken at its word) until one is timed: a width that steps would show cheaper is tried, where the ratio of
         all forwards, made of the widths chosen, would price it with them."""
-        return np.nan_to_num(self.columns, nan=1.0)
+        if self.made[0] != self.version:
+            self.made = self.version, np.nan_to_num(self.columns, nan=1.0)
+        return self.made[1]
 
     def forward_step(self, seconds: float, price: float, columns: int) -> bool:
         """A step without drafting, of `columns` columns priced `price`, took `seconds`; whether steps now disagree
@@ -232,7 +236,7 @@ class StepClock:
 
 def running(ratio: float, observed: float) -> float:
     """A running ratio of steps' time to their price after one more step (within CLOCK_RANGE)."""
-    return float(np.clip(CLOCK_DECAY * ratio + (1 - CLOCK_DECAY) * observed, *CLOCK_RANGE))
+    return min(max(CLOCK_DECAY * ratio + (1 - CLOCK_DECAY) * float(observed), CLOCK_RANGE[0]), CLOCK_RANGE[1])
 
 
 # the tables measured in this process: per model, per (draft source, its shape, threads)

@@ -12,23 +12,27 @@ several drafters, one registry (DRAFTS). Whatever drafts, what is committed is t
     lookup+drafter  per row, lookup's draft or the drafter's, whichever the policy expects to commit more
     lookup+ngram+drafter   the three: the drafter runs only where the policy expects it to beat the other two
 
-lookup and ngram cost no forward (FREE): where a kind has both, the policy picks per row between them on the host.
+lookup and ngram cost no forward (FREE) and are made on the host, from each row's text there (RowTexts: the prompt,
+then the tokens the loop's one host read per step brings); where a kind has both, the policy picks per row between
+them.
 
 A Drafts object runs the verification forward itself (a drafter decides which columns the forward reads and what it
 keeps of it) and proposes the next drafts (a policy.Proposal: tokens, the source's confidence, which source):
 
     sources, widths                      its draft sources' names; the forward widths it can run (1 = an AR step)
     siblings                             the most siblings a forward may verify beside a draft (0 but a drafter's)
-    first()                              the first proposal ([MASK] where it has none)
+    first()                              the first proposal ([MASK] where it has none), on the device and the host
     width(proposal)                      the next forward's width (the policy's choice)
     siblings_for(proposal, width)        how many siblings it verifies beside the draft (the policy's choice)
     verify(opener, draft, width, sib)    the target's logits [B, width + k, V] at the clean columns
                                          [opener, draft[:, :width - 1]]: AR's next token after each prefix, then
                                          at the k siblings `sib` [B, k], each after the opener alone
     relocate(source, width)              an accepted sibling's column (source [B]) takes the draft's first one's
-    next(length, ar, agreed)             the next proposal, once each row accepted `agreed` draft tokens and
-                                         committed its `length` first tokens of `ar` (AR's greedy tokens)
-    keep_rows(stay)                      rows that finished leave
+    next(length, ar, agreed)             the next proposal where it is made on the device (None where on the host),
+                                         once each row accepted `agreed` draft tokens and committed its `length`
+                                         first tokens of `ar` (AR's greedy tokens); read with the step's outcome
+    settle(made, seen, ar, length)       the next proposal on the device and on the host, once the outcome is read
+    keep_rows(stay, staying)             rows that finished leave (stay on the device, staying on the host)
     prepare_shapes()                     the forward shapes the loop will run (built before its first step)
     costs()                              what its forwards cost here (r2lm.generation.costs), measured once
 
@@ -39,37 +43,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from r2lm.cache import KVCache
 from r2lm.generation.costs import MeasuredCosts, kept_costs
-from r2lm.generation.lookup import lookup_draft
-from r2lm.generation.policy import Policy, Proposal
+from r2lm.generation.lookup import RowTexts
+from r2lm.generation.policy import Policy
+from r2lm.generation.proposal import Proposal
 from r2lm.generation.sampling import propose
 from r2lm.generation.window import WindowReader
-from r2lm.layout import Layout
+from r2lm.layout import verify_layout
 
 FREE = ("lookup", "ngram")  # sources that draft without a forward of their own
 COST_CONTEXT = 64  # the shortest context a cost is measured over (a forward's cost barely depends on it here)
-
-
-def verify_layout(b: int, outcomes: list[int], device=None, siblings: int = 0) -> Layout:
-    """The columns of one verification forward, positions relative to the cache's next position: clean column j
-    at position j in chunk 2j + 1 (so it sees the clean columns before it), then for each j in `outcomes` window j
-    at positions j .. j + b - 1 in chunk 2j (so it sees the clean columns before position j), then `siblings` clean
-    columns at position 1 in chunk 2, each on a branch of its own (so each sees the opener and itself, and no
-    column sees it but itself: the other candidates for the draft's first token)."""
-    one, window = torch.ones(1, 1, device=device), torch.ones(1, b, device=device)
-    clean = [Layout.span(one, start=j, chunk=2 * j + 1) for j in range(b)]
-    windows = [Layout.span(window, start=j, noisy=True, chunk=2 * j) for j in outcomes]
-    if siblings:
-        if outcomes or b < 2:
-            raise ValueError("siblings stand in for a draft's first token: a clean draft of 2 columns or more")
-        clean.append(Layout(positions=torch.ones(1, siblings, dtype=torch.long, device=device),
-                            chunks=torch.full((siblings,), 2, device=device),
-                            noisy=torch.zeros(siblings, dtype=torch.bool, device=device),
-                            window_columns=slice(0, 0), branches=torch.arange(1, siblings + 1, device=device)))
-    return Layout.cat(*clean, *windows)
 
 
 def drafted_outcomes(b: int, windows: int | None) -> list[int]:
@@ -97,6 +84,7 @@ class Drafts(ABC):
     sources: tuple[str, ...]
     capture: tuple[int, ...] = ()  # target layers whose outputs the forward returns too (a drafter's context)
     siblings = 0  # the most siblings a forward may verify beside a draft
+    texts: RowTexts | None = None  # each row's text on the host, where a source drafts from it there
 
     def __init__(self, state, policy: Policy, verifying):
         self.state, self.policy, self.verifying = state, policy, verifying
@@ -112,14 +100,25 @@ class Drafts(ABC):
     def widths(self) -> tuple[int, ...]: ...
 
     @abstractmethod
-    def first(self) -> Proposal: ...
+    def first(self) -> tuple[Proposal, Proposal]: ...
 
     @abstractmethod
     def verify(self, opener: torch.Tensor, draft: torch.Tensor, width: int,
                siblings: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @abstractmethod
-    def next(self, length: torch.Tensor, ar: torch.Tensor, agreed: torch.Tensor) -> Proposal: ...
+    def next(self, length: torch.Tensor, ar: torch.Tensor, agreed: torch.Tensor) -> Proposal | None: ...
+
+    def settle(self, made: Proposal | None, seen: Proposal | None, ar: np.ndarray,
+               length: np.ndarray) -> tuple[Proposal, Proposal]:
+        """The next proposal on the device and on the host: what `next` made and its host copy `seen`, or, where it
+        made none, the host's drafts (`on_host`), once each row's committed tokens ar[r, :length[r]] are known."""
+        if self.texts is not None:
+            self.texts.extend([row[:n] for row, n in zip(ar.tolist(), length.tolist(), strict=True)])
+        if made is not None:
+            return made, seen
+        proposal = self.on_host()
+        return proposal.to(self.state.device), proposal
 
     @abstractmethod
     def timed_forward(self, reader: WindowReader, width: int):
@@ -141,8 +140,9 @@ class Drafts(ABC):
     def relocate(self, source: torch.Tensor, width: int) -> None:
         return  # by default a source keeps nothing of the forward's columns
 
-    def keep_rows(self, stay: torch.Tensor) -> None:
-        return  # by default a source keeps nothing per row
+    def keep_rows(self, stay: torch.Tensor, staying: np.ndarray) -> None:
+        if self.texts is not None:
+            self.texts.keep(staying)
 
     def prepare_shapes(self) -> None:
         return  # by default its shapes are built on first use
@@ -198,6 +198,9 @@ class CleanDrafts(Drafts):
 
     def __init__(self, state, policy: Policy, verifying):
         super().__init__(state, policy, verifying)
+        if any(name in FREE for name in self.sources):
+            ids, mask = state.input_ids.tolist(), state.r.prompt.attention_mask.tolist()
+            self.texts = RowTexts([[t for t, m in zip(row, on, strict=True) if m] for row, on in zip(ids, mask, strict=True)])
         self.layouts = {(w, k): verify_layout(w, [], state.device, k) for w in self.widths
                         for k in range(self.siblings + 1 if w >= 2 else 1)}
 
@@ -237,35 +240,40 @@ class CleanDrafts(Drafts):
         layout = verify_layout(width, [], ids.device)
         return lambda: reader.read(ids, width, keep=slice(None), advance=False, layout=layout, capture=self.capture)
 
-    def looked_up(self) -> Proposal:
-        s = self.state
-        draft = lookup_draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b, s.mask_id)
-        return self.proposal(draft, (draft != s.mask_id).float(), "lookup")
-
-    def tabled(self) -> Proposal:
-        s = self.state
-        draft, confidence = self.verifying.ngram.draft(s.text[s.rows], s.prompt_len + s.written[s.rows], s.b,
-                                                       s.mask_id)
-        return self.proposal(draft, confidence, "ngram")
+    def host_proposal(self, draft: np.ndarray, confidence: np.ndarray, source: str) -> Proposal:
+        """A source's drafts made on the host (none of them siblings: the call's K siblings, all [MASK])."""
+        rows, mask_id = draft.shape[0], self.state.mask_id
+        return Proposal(draft, confidence, np.full(rows, self.sources.index(source)),
+                        np.full((rows, self.siblings), mask_id), np.zeros((rows, self.siblings)))
 
     def free(self) -> Proposal | None:
-        """The drafts at hand without a forward: the free sources' (FREE), per row the one the policy expects to
-        commit more where there are two (read on the host: a second host read per iteration, in those kinds only);
-        None for a kind without any."""
-        made = [self.looked_up() if name == "lookup" else self.tabled() for name in self.sources if name in FREE]
+        """The drafts at hand without a forward, on the host: the free sources' (FREE), per row the one the policy
+        expects to commit more where there are two; None for a kind without any."""
+        s, made = self.state, []
+        for name in self.sources:
+            if name == "lookup":
+                draft = self.texts.lookup(s.b, s.mask_id)
+                made.append(self.host_proposal(draft, (draft != s.mask_id).astype(np.float64), name))
+            elif name == "ngram":
+                made.append(self.host_proposal(*self.verifying.ngram.draft(self.texts.tokens, s.b, s.mask_id), name))
         if len(made) < 2:
             return made[0] if made else None
-        return self.policy.choose([proposal.host() for proposal in made]).to(self.state.device)
+        return self.policy.choose(made)
+
+    def on_host(self) -> Proposal:
+        """The next proposal where `next` made none: the free sources' drafts."""
+        return self.free()
 
 
 class FreeDrafts(CleanDrafts):
     """Drafts that cost no forward (prompt lookup, an n-gram table): no model runs to draft."""
 
     def first(self):
-        return self.free()
+        proposal = self.free()
+        return proposal.to(self.state.device), proposal
 
     def next(self, length, ar, agreed):
-        return self.free()
+        return None  # made on the host, from the tokens the step committed (on_host)
 
 
 class LookupDrafts(FreeDrafts):
@@ -306,7 +314,9 @@ class ModelDrafts(CleanDrafts):
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # (captured, valid) not appended yet
 
     def first(self):
-        return self.free() or self.nothing()
+        free = self.free()
+        proposal = self.nothing() if free is None else free.to(self.state.device)
+        return proposal, proposal.host() if free is None else free
 
     def next(self, length, ar, agreed):
         s = self.state
@@ -315,15 +325,22 @@ class ModelDrafts(CleanDrafts):
         kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
         kept = kept < length[:, None]
         self.pending.append((captured, kept if head is None else torch.cat([head, kept], 1)))
-        free = self.free()
-        # (with lookup, the policy reads its drafts on the host: a second host read per iteration, in this mode only)
-        at_hand = None if free is None else free.host()
-        if not self.policy.worth("drafter", at_hand, len(s.rows)):
-            return free if free is not None else self.nothing()
+        self.opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
+        if self.texts is not None:  # weighed against the free sources' drafts, made on the host once read (on_host)
+            return None
+        if not self.policy.worth("drafter", None, len(s.rows)):
+            return self.nothing()
         self.catch_up()
-        opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
-        drafted = self.drafted(opener)
-        return drafted if free is None else self.policy.choose([at_hand, drafted.host()]).to(s.device)
+        return self.drafted(self.opener)
+
+    def on_host(self):
+        """The free sources' drafts, or, where the policy expects the drafter to beat them by more than its forward
+        costs, per row the better of theirs and the drafter's (a second host read, in the steps it drafts)."""
+        free = self.free()
+        if not self.policy.worth("drafter", free, len(self.state.rows)):
+            return free
+        self.catch_up()
+        return self.policy.choose([free, self.drafted(self.opener).host()])
 
     def drafted(self, opener: torch.Tensor) -> Proposal:
         """The drafter's proposal after `opener` [R] (its block and, where the call verifies siblings, theirs)."""
@@ -360,7 +377,8 @@ class ModelDrafts(CleanDrafts):
         self.drafter.append(self.context, captured, valid)
         self.pending = []
 
-    def keep_rows(self, stay) -> None:
+    def keep_rows(self, stay, staying) -> None:
+        super().keep_rows(stay, staying)
         self.context.keep_rows(stay)
         self.pending = [([h[stay] for h in captured], valid[stay]) for captured, valid in self.pending]
 
@@ -423,12 +441,11 @@ class WindowDrafts(Drafts):
         """The first window, read by the forward that appends the prompt; where the policy finds windows not worth
         their cost, nothing: the first forward is then the prompt and an AR step."""
         s = self.state
-        self.wide = self.policy.worth("window", None, len(s.rows))
-        if not self.wide:
-            return self.nothing()
-        window = torch.cat([s.input_ids[:, -1:], torch.full_like(s.input_ids[:, :1], s.mask_id).expand(-1, s.b - 1)], 1)
-        draft, confidence = propose(s.context.read(0, window, s.b, clean=False), s.mask_id)
-        return self.proposal(draft, confidence, "window")
+        self.wide, proposal = self.policy.worth("window", None, len(s.rows)), self.nothing()
+        if self.wide:
+            window = torch.cat([s.input_ids[:, -1:], torch.full_like(s.input_ids[:, :1], s.mask_id).expand(-1, s.b - 1)], 1)
+            proposal = self.proposal(*propose(s.context.read(0, window, s.b, clean=False), s.mask_id), "window")
+        return proposal, proposal.host()
 
     def width(self, proposal):
         return self.state.b if self.wide else 1

@@ -1,4 +1,5 @@
-"""Prompt-lookup drafts for verified decoding (`generate(..., verify=True, verify_draft="lookup")`).
+"""Prompt-lookup drafts for verified decoding (`generate(..., verify=True, verify_draft="lookup")`), and the rows'
+text on the host that they (and an n-gram table's drafts, r2lm.ngram) are made from.
 
 A row's next tokens are guessed by finding its last few tokens earlier in its own text (prompt and committed
 tokens) and copying what followed them there (prompt lookup decoding, Saxena 2023; transformers'
@@ -6,42 +7,54 @@ tokens) and copying what followed them there (prompt lookup decoding, Saxena 202
 is drafted for the cost of a few comparisons, with no drafting columns in the forward: a verification forward
 reads only the draft's clean columns, about an AR step's cost on a CPU.
 
-Vectorised over the batch (no host synchronisation): each row's text ends at its own length.
+On the host: the loop's one host read per step brings each row's committed tokens anyway (r2lm.generation.verify),
+and an index of where each of a row's last 1 .. MAX_NGRAM tokens last occurred, grown with every committed token,
+answers in a few dictionary reads what a vectorised search over the whole text on the device answers in ~50 tensor
+operations (each a dispatch: a third of a millisecond a step on a CPU, more than the search's arithmetic).
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn import functional as F
+import numpy as np
 
 MAX_NGRAM = 2  # longest suffix matched (transformers' default); shorter ones are tried when it has no match
 
 
-def lookup_draft(text: torch.Tensor, end: torch.Tensor, size: int, fill: int, max_ngram: int = MAX_NGRAM) -> torch.Tensor:
-    """[B, size] drafts: for each row, the `size` tokens that followed the latest earlier occurrence of its last
-    n tokens (n = max_ngram, then shorter), cut at the row's end and filled with `fill` after it; all `fill`
-    where no suffix recurs.
+class RowTexts:
+    """Each row's text on the host: its tokens (the prompt's, without padding, then the committed ones) and, for
+    the lookup, where each run of 1 .. `max_ngram` tokens last ended with a token of the row's text after it."""
 
-    text [B, L]: each row's tokens in text[b, :end[b]], negative ids where a column holds no token (left
-    padding), whatever after end[b]; end [B] long."""
-    batch, length = text.shape
-    longest = min(max_ngram, length - 1)
-    if longest < 1:  # a text of one column: nothing before its last token
-        return text.new_full((batch, size), fill)
-    positions = torch.arange(length, device=text.device)
-    back = torch.arange(longest, device=text.device)
-    suffix = text.gather(1, (end[:, None] - 1 - back).clamp(min=0))  # [B, n]: the row's last token, the one before, ..
-    same = text[:, None, :] == suffix[:, :, None]  # [B, n, L]
-    # an occurrence of the row's last n tokens ending at column p: text[p - i] is the (i+1)-th last token for i < n,
-    # of real tokens, and followed by at least one token of the row's text (p + 1 < end): grown one token at a time
-    match = positions + 1 < end[:, None]
-    latest = []  # [B] per n: the last column p where the last n tokens end earlier, -1 where they do not recur
-    for i in range(longest):
-        match = match & F.pad(same[:, i, : length - i], (i, 0)) & (suffix[:, i : i + 1] >= 0)
-        latest.append(torch.where(match, positions, -1).amax(1))
-    latest = torch.stack(latest, 1)  # [B, n]
-    n = ((latest >= 0) * (back + 1)).amax(1)  # the longest suffix that recurs (0: none)
-    source = latest.gather(1, (n - 1).clamp(min=0)[:, None]) + 1  # where each row's continuation starts
-    at = source + torch.arange(size, device=text.device)
-    draft = text.gather(1, at.clamp(max=length - 1))
-    return torch.where((n > 0)[:, None] & (at < end[:, None]), draft, fill)
+    def __init__(self, rows: list[list[int]], max_ngram: int = MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in rows]
+        self.extend(rows)
+
+    def extend(self, rows: list[list[int]]) -> None:
+        """Append each row's new tokens (rows[r] to row r)."""
+        for tokens, latest, new in zip(self.tokens, self.latest, rows, strict=True):
+            # a run ending at p is followed by a token of the text once the text is longer than p + 1
+            start = len(tokens) - 1
+            tokens.extend(new)
+            for p in range(max(start, 0), len(tokens) - 1):
+                for n in range(1, min(self.max_ngram, p + 1) + 1):
+                    latest[tuple(tokens[p - n + 1 : p + 1])] = p
+
+    def keep(self, stay) -> None:
+        """Rows that finished leave (`stay` [R] bools)."""
+        self.tokens = [t for t, s in zip(self.tokens, stay, strict=True) if s]
+        self.latest = [d for d, s in zip(self.latest, stay, strict=True) if s]
+
+    def lookup(self, size: int, fill: int) -> np.ndarray:
+        """[R, size] drafts: for each row, the `size` tokens that followed the latest earlier occurrence of its last
+        n tokens (n = max_ngram, then shorter), cut at the row's end and filled with `fill` after it; all `fill`
+        where no suffix recurs."""
+        out = np.full((len(self.tokens), size), fill, dtype=np.int64)
+        for row, (tokens, latest) in enumerate(zip(self.tokens, self.latest, strict=True)):
+            for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+                at = latest.get(tuple(tokens[-n:]))
+                if at is not None:
+                    follow = tokens[at + 1 : at + 1 + size]
+                    out[row, : len(follow)] = follow
+                    break
+        return out

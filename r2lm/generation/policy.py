@@ -53,9 +53,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 
 from r2lm.generation.costs import StepClock, StepCosts
+from r2lm.generation.proposal import Proposal
 
 BUCKETS = 10  # confidence buckets of a source's acceptance estimate
 POSITIONS = 4  # positions in the draft it tells apart (the first, second, third, any later one)
@@ -67,46 +67,6 @@ ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
 MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
-
-
-@dataclass
-class Proposal:
-    """The next draft of every row still decoding: draft [R, b] token ids ([MASK] where none), confidence [R, b]
-    (the source's own, in [0, 1]), source [R] (index into the call's `sources` names), and `siblings` [R, K] with
-    their confidence: the source's next likeliest tokens for the draft's first one, likeliest first ([MASK] where
-    none; K = 0 for a source without them), which a forward may verify beside the draft (r2lm.generation.verify).
-    On the device as torch tensors; what the policy reads, on the host as numpy arrays (`host`): the policy's
-    arithmetic never waits for the device."""
-
-    draft: torch.Tensor | np.ndarray
-    confidence: torch.Tensor | np.ndarray
-    source: torch.Tensor | np.ndarray
-    siblings: torch.Tensor | np.ndarray | None = None
-    sibling_confidence: torch.Tensor | np.ndarray | None = None
-
-    def __post_init__(self):
-        if self.siblings is None:  # none: K = 0
-            empty = self.draft[:, :0]
-            self.siblings, self.sibling_confidence = empty, self.confidence[:, :0]
-
-    def _fields(self):
-        return self.draft, self.confidence, self.source, self.siblings, self.sibling_confidence
-
-    def host(self) -> Proposal:
-        dtypes = (np.int64, np.float64, np.int64, np.int64, np.float64)
-        return Proposal(*(np.asarray(x.tolist(), dtype=d).reshape(tuple(x.shape)) for x, d in zip(self._fields(), dtypes,
-                                                                                                  strict=True)))
-
-    def to(self, device) -> Proposal:
-        return Proposal(*(torch.as_tensor(x, device=device) for x in self._fields()))
-
-    def rows(self, keep) -> Proposal:
-        return Proposal(*(x[keep] for x in self._fields()))
-
-    def where(self, take: np.ndarray, other: Proposal) -> Proposal:
-        """Per row (host), `other`'s draft where `take` [R], else this one's."""
-        return Proposal(*(np.where(take.reshape(-1, *[1] * (x.ndim - 1)), y, x)
-                          for x, y in zip(self._fields(), other._fields(), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -329,24 +289,27 @@ class Adaptive(Policy):
     def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
         """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module
         docstring): the per-forward part of an AR step times how far the row with most left advances, plus the
-        per-row part times the tokens the rows commit. `sibling` [R]: the chance that a sibling verified beside
-        the draft is the target's token (then the row commits 2 tokens: at widths >= 2 only)."""
+        per-row part times the tokens the rows commit. `sibling` [S, R]: S cases of the chance that a sibling
+        verified beside the draft is the target's token (then the row commits 2 tokens: at widths >= 2 only), for
+        [S, b] at once."""
         rows, b = q.shape
         price = self.price(rows)
         ar, per_row = price.ar, price.per_row
         # P(row r commits at least j tokens), j = 0 .. b: 1 up to j = 1, then P(its first j - 1 are accepted)
-        at_least = np.concatenate([np.ones((rows, 2)), np.cumprod(q[:, : b - 1], 1)], 1)
+        at_least = np.ones((1 if sibling is None else len(sibling), rows, b + 1))
+        at_least[:, :, 2:] = np.cumprod(q[:, : b - 1], 1)
         if sibling is not None and b > 1:  # the draft's first token or a sibling: disjoint events
-            at_least[:, 2] = np.minimum(at_least[:, 2] + sibling, 1.0)
+            at_least[:, :, 2] = np.minimum(at_least[:, :, 2] + sibling, 1.0)
         gap = np.zeros(rows, dtype=np.int64)  # how far each row is behind the row with most left
         if self.remaining is not None:
-            at_least[np.arange(b + 1)[None, :] > self.remaining[:, None]] = 0  # never more than it has left
+            at_least[:, np.arange(b + 1)[None, :] > self.remaining[:, None]] = 0  # never more than it has left
             gap = (self.remaining.max() - self.remaining).astype(np.int64)
         # the most left falls by >= k iff every row commits >= k - its gap (a forward commits at most its width,
         # and k - gap <= k <= width: the width never cuts this)
         need = np.clip(np.arange(1, b + 1)[None, :] - gap[:, None], 0, None)
-        lead = np.take_along_axis(at_least, need, 1).prod(0)
-        return (ar - per_row * rows) * np.cumsum(lead) + per_row * np.cumsum(at_least[:, 1:].sum(0))
+        lead = np.take_along_axis(at_least, need[None], 2).prod(1)
+        out = (ar - per_row * rows) * np.cumsum(lead, -1) + per_row * np.cumsum(at_least[:, :, 1:].sum(1), -1)
+        return out[0] if sibling is None else out
 
     def best(self, q: np.ndarray, extra: float = 0.0, sibling_q: np.ndarray | None = None) -> tuple[int, int, float]:
         """(width, siblings, AR seconds spared per second) maximising the rate, `extra` seconds paid on top of the
@@ -354,20 +317,23 @@ class Adaptive(Policy):
         above 1 only where it beats an AR step by MARGIN (estimates err: the AR step is the safe choice)."""
         price = self.price(q.shape[0])
         widths = np.minimum(price.widths, q.shape[1])
-        rates = self.saved(q)[widths - 1] / (price.verify + extra)
+        wide = price.widths >= 2
+        # k = 0 .. K siblings, K the most before a [MASK] in every row (the siblings are in order)
+        k = 0 if sibling_q is None or not wide.any() else int(np.cumprod(sibling_q.any(0)).sum())
+        chances = np.zeros((k + 1, q.shape[0]))
+        if k:
+            chances[1:] = np.cumsum(sibling_q[:, :k], 1).T
+        spared = self.saved(q, chances)[:, widths - 1]  # [k + 1, widths]
+        rates = spared[0] / (price.verify + extra)
         best = int(np.argmax(rates))  # (the narrowest of equals)
         if best and price.widths[0] == 1 and rates[best] < MARGIN * rates[0]:
             best = 0
         choice = (int(price.widths[best]), 0, float(rates[best]))
-        wide = price.widths >= 2
-        for k in range(1, 0 if sibling_q is None else sibling_q.shape[1] + 1):
-            if not sibling_q[:, k - 1].any() or not wide.any():
-                break  # the siblings are in order: none after a [MASK]
-            with_siblings = self.saved(q, sibling_q[:, :k].sum(1))[widths - 1] / (price.columns[price.widths + k - 1] + extra)
-            with_siblings[~wide] = 0
+        for siblings in range(1, k + 1):
+            with_siblings = np.where(wide, spared[siblings] / (price.columns[price.widths + siblings - 1] + extra), 0)
             at = int(np.argmax(with_siblings))
             if with_siblings[at] > choice[2] and with_siblings[at] >= MARGIN * rates[0]:
-                choice = (int(price.widths[at]), k, float(with_siblings[at]))
+                choice = (int(price.widths[at]), siblings, float(with_siblings[at]))
         return choice
 
     def probe_due(self, source: str, rows: int) -> bool:
@@ -380,7 +346,11 @@ class Adaptive(Policy):
     # --------------------------------------------------------------------------------------------- decisions
 
     def choose(self, candidates: list[Proposal]) -> Proposal:
-        """Per row, the candidate whose draft promises more committed tokens at the widest forward."""
+        """Per row, the candidate whose draft promises more committed tokens at the widest forward (where only one
+        has a draft, it: no estimate needed)."""
+        drafted = np.stack([c.draft[:, 0] != self.mask_id for c in candidates])
+        if (drafted.sum(0) < 2).all():
+            return super().choose(candidates)
         out, value = candidates[0], self.expected(self.q(candidates[0]))[:, -1]
         for other in candidates[1:]:
             mine = self.expected(self.q(other))[:, -1]
@@ -391,22 +361,26 @@ class Adaptive(Policy):
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
         self._rows(rows)
         index, b = self.sources.index(source), self.widths[-1]
-        if free is None:  # the answer changes only with what was learnt and the rows' gaps: not at every AR step
+        if free is None:  # the answer changes only with what was learnt, the rows' gaps and prices: not every step
             gaps = None if self.remaining is None else (self.remaining.max() - self.remaining, self.remaining.min() < b)
-            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]),
-                   np.round(self.clock.factors(), 2).tobytes(), round(self.clock.drafting, 2))
-            if key not in self.verdicts:
-                self.verdicts = {key: self.pays(source, index, None, rows)}
-            use = self.verdicts[key] or self.probe_due(source, rows)
+            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]))
+            prices = np.append(self.clock.factors(), self.clock.drafting)
+            kept = self.verdicts.get(key)
+            # prices that moved by a factor f move the verdict's ratio by at most f^2: kept while that cannot flip it
+            if kept is None or 2 * np.abs(np.log(prices / kept[1])).max() >= abs(math.log(max(kept[0], 1e-9))):
+                kept = self.pays(source, index, None, rows), prices
+                self.verdicts = {key: kept}
+            use = kept[0] > 1 or self.probe_due(source, rows)
         else:
-            use = self.pays(source, index, free, rows) or self.probe_due(source, rows)
+            use = self.pays(source, index, free, rows) > 1 or self.probe_due(source, rows)
         estimate = self.estimates[source]
         estimate.idle = 0 if use else estimate.idle + 1
         self.drafting = use
         return use
 
-    def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> bool:
-        """Whether the estimates expect `source`'s drafting to spare more than it costs (worth, less the probes)."""
+    def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> float:
+        """How many times what it must beat the estimates expect `source`'s drafting to spare per second (above 1:
+        it pays), against the drafts at hand without it and MARGIN (worth, less the probes)."""
         b = self.widths[-1]
         ours = np.broadcast_to(np.minimum(self.row_rate(index), MAX_Q)[:, None], (rows, b))
         without = np.zeros((rows, b)) if free is None else self.q(free)[:, :b]
@@ -418,7 +392,7 @@ class Adaptive(Policy):
                                 sibling_q=siblings * better[:, None])[2]
         else:  # the window: a forward as wide as the block, every step
             with_it = float(self.saved(ours)[b - 1]) / self.price(rows).verify[-1]
-        return with_it > MARGIN * self.best(without)[2]
+        return with_it / (MARGIN * self.best(without)[2])
 
     def width(self, proposal: Proposal) -> int:
         self.decided = None

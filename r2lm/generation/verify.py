@@ -71,7 +71,8 @@ import torch
 from r2lm.generation.contexts import ExactCache
 from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.outputs import GenerateOutput, StepInfo, spread
-from r2lm.generation.policy import Policy, Proposal, policy_of
+from r2lm.generation.policy import Policy, policy_of
+from r2lm.generation.proposal import Proposal
 from r2lm.generation.sampling import propose
 from r2lm.generation.stopping import Stopper
 from r2lm.kind import ATTENTION
@@ -253,8 +254,7 @@ def decode_verified(model, r) -> GenerateOutput:
     row_steps = torch.zeros((), dtype=torch.long, device=s.device)
     try:
         done = stopper.finished  # rows with nothing left to decode (none yet: max_new_tokens >= 1)
-        proposal = drafts.first()
-        seen = proposal.host()  # what the policy reads of it
+        proposal, seen = drafts.first()  # on the device, and what the policy reads of it on the host
         width = drafts.width(seen)
         while True:
             draft, confidence = proposal.draft, proposal.confidence
@@ -285,39 +285,41 @@ def decode_verified(model, r) -> GenerateOutput:
             s.written.index_add_(0, s.rows, length)
             iterations += 1
             done = stopper.finished | (s.written >= s.n)
-            following = drafts.next(length, ar, agreed)
-            # the one host sync of an iteration: its outcome, and the next proposal for the policy
+            following = drafts.next(length, ar, agreed)  # (None: made on the host from what the read brings)
+            # the one host sync of an iteration: its outcome, each row's committed tokens, the next proposal if made
             remaining = torch.where(done[s.rows], 0, s.n - s.written[s.rows])
-            parts = [torch.stack([length.max(), done.all(), done[s.rows].any()]), agreed, remaining, hit,
-                     following.draft, following.confidence, following.source, following.siblings,
-                     following.sibling_confidence]
+            parts = [torch.stack([length.max(), done.all(), done[s.rows].any()]), agreed, remaining, hit, length, ar,
+                     *([] if following is None else following.fields())]
             values = np.asarray(torch.cat([x.double().flatten() for x in parts]).tolist())
-            (widest, over, left), agreed_, remaining_, hit_, *proposed = (
+            (widest, over, left), agreed_, remaining_, hit_, length_, ar_, *proposed = (
                 piece.reshape(x.shape) for piece, x in zip(np.split(values, np.cumsum([x.numel() for x in parts])[:-1]),
                                                            parts, strict=True))
             widest, over, left = int(widest), bool(over), bool(left)
             hit_ = hit_.astype(np.int64)  # (a row whose sibling was right accepted none of the draft)
-            now = time.perf_counter()
-            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_,
-                           now - clock if iterations > 1 else None)  # (the first step appends the prompt too)
-            clock = now
-            seen = Proposal(*(x.astype(np.int64) if i in (0, 2, 3) else x for i, x in enumerate(proposed)))
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far
                 aligned = int(torch.where(stopper.finished, s.n, s.written.clamp(max=s.n)).min())
                 stopper.advance(torch.cat([ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
                 done = stopper.finished | (s.written >= s.n)
                 over, left = torch.stack([done.all(), done[s.rows].any()]).tolist()
+            if not over:  # the next proposal (a drafter may run here: its time is this step's)
+                following, next_seen = drafts.settle(
+                    following, None if following is None else Proposal.typed(*proposed),
+                    ar_.astype(np.int64), length_.astype(np.int64))
+            now = time.perf_counter()
+            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_,
+                           now - clock if iterations > 1 else None)  # (the first step appends the prompt too)
+            clock = now
             if over:
                 break
-            proposal = following
+            proposal, seen = following, next_seen
             if left:
                 stay = ~done[s.rows]
                 staying = np.asarray(stay.tolist())
                 if leave:
                     s.rows, opener, proposal, seen = s.rows[stay], opener[stay], proposal.rows(stay), seen.rows(staying)
                     s.reader.keep_rows(stay)
-                    drafts.keep_rows(stay)
+                    drafts.keep_rows(stay, staying)
                     policy.keep_rows(staying)
                 else:  # (compile=True) a row that is done stays, and submits nothing
                     seen.draft[~staying] = r.mask_id

@@ -54,14 +54,11 @@ def test_drafts_are_the_brute_force_count():
                   for _ in range(int(torch.randint(0, 5, (1,), generator=g)))]
         order, min_count = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
         table = NGramTable.build(corpus, vocab, order, min_count)
-        batch, width, size = 3, 8, int(torch.randint(1, 6, (1,), generator=g))
-        text = torch.randint(0, vocab, (batch, width), generator=g)
-        end = torch.randint(1, width + 1, (batch,), generator=g)
-        for row in range(batch):  # left padding, at least one token left
-            text[row, : int(torch.randint(0, int(end[row]), (1,), generator=g))] = -1
-        drafts, confidences = table.draft(text, end, size, FILL)
-        for row in range(batch):
-            tokens = [t for t in text[row, : int(end[row])].tolist() if t >= 0]
+        size = int(torch.randint(1, 6, (1,), generator=g))
+        texts = [torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(3)]
+        drafts, confidences = table.draft(texts, size, FILL)
+        for row, tokens in enumerate(texts):
             want, sure = brute_force(corpus, order, min_count, tokens, size)
             assert drafts[row].tolist() == want, (trial, row, tokens, corpus)
             assert confidences[row].tolist() == pytest.approx(sure), (trial, row)
@@ -137,8 +134,7 @@ def test_a_table_is_saved_whole_and_read_back_equal(setup, tmp_path):
     back = NGramTable.load(tmp_path / "table")
     assert back.config == table.config and torch.equal(back.keys, table.keys) and torch.equal(back.next, table.next)
     assert torch.allclose(back.confidence, table.confidence, atol=1e-3)  # kept in float16
-    text, end = torch.tensor([[3, 4, 5, 6]]), torch.tensor([4])
-    assert torch.equal(back.draft(text, end, 5, FILL)[0], table.draft(text, end, 5, FILL)[0])
+    assert (back.draft([[3, 4, 5, 6]], 5, FILL)[0] == table.draft([[3, 4, 5, 6]], 5, FILL)[0]).all()
     # an existing folder is replaced only when asked, and only if r2lm wrote it; nothing else is touched
     with pytest.raises(ValueError, match="already exists; pass --overwrite"):
         table.save(tmp_path / "table")
@@ -179,7 +175,7 @@ def test_the_shipped_table_loads_and_drafts():
     bits, order = table.config.bits, table.config.order
     single = (table.keys >> (bits * order)) == 1  # contexts of one token
     token = int(table.keys[single][100] & (2**bits - 1))
-    drafts, confidence = table.draft(torch.tensor([[token]]), torch.tensor([1]), 4, FILL)
+    drafts, confidence = table.draft([[token]], 4, FILL)
     assert int(drafts[0, 0]) == int(table.next[single][100]) and (confidence[0, :1] > 0).all()
 
 

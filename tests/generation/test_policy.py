@@ -13,7 +13,8 @@ from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation.costs import TRIALS as COST_TRIALS
 from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate
-from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy, Proposal
+from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy
+from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import MASK_ID, tiny_conversion, tiny_r2lm, tiny_tokenizer

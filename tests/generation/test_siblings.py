@@ -10,8 +10,9 @@ import torch
 
 from r2lm import generate
 from r2lm.generation.costs import ScriptedCosts
-from r2lm.generation.drafts import verify_layout
-from r2lm.generation.policy import Adaptive, Policy, Proposal
+from r2lm.generation.policy import Adaptive, Policy
+from r2lm.generation.proposal import Proposal
+from r2lm.layout import verify_layout
 from tests.generation.test_drafter import trained
 from tests.helpers.decoding import left_padded
 from tests.helpers.models import MASK_ID, tiny_conversion, tiny_r2lm

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from r2lm import Layout, dual_stream
 from r2lm.diffusion import compute_loss
-from r2lm.generation.drafts import verify_layout
 from r2lm.layers.hybrid import HybridParts
+from r2lm.layout import verify_layout
 from r2lm.ops.flex import block_sparse, flex_attention, torch_flex_attention
 from tests.helpers.models import MASK_ID, tiny_r2lm
 
