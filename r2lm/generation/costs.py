@@ -228,9 +228,15 @@ class StepClock:
         self.drafting = running(self.drafting, (seconds - price * self.factors()[columns]) / drafting)
         self.version += 1
 
-    def reset(self) -> None:
-        self.forward = self.drafting = 1.0
-        self.columns[:] = np.nan
+    def rescale(self, columns: np.ndarray, drafting: float) -> None:
+        """New prices (the forwards measured again): each ratio re-expressed against them (`columns` [c] for 1 ..
+        c columns and `drafting`: old price / new), so that what steps showed a width or drafting to take stays what
+        they took (drafting's ratio holds the host work beside the drafter's forward: no measurement's error); the
+        ratio of all forwards starts again (whether the new measurement is in doubt)."""
+        n = min(len(columns), len(self.columns) - 1)
+        self.columns[1 : n + 1] = np.clip(self.columns[1 : n + 1] * columns[:n], *CLOCK_RANGE)
+        self.drafting = min(max(self.drafting * drafting, CLOCK_RANGE[0]), CLOCK_RANGE[1])
+        self.forward = 1.0
         self.version += 1
 
 

@@ -17,7 +17,8 @@ then the tokens the loop's one host read per step brings); where a kind has both
 them.
 
 A Drafts object runs the verification forward itself (a drafter decides which columns the forward reads and what it
-keeps of it) and proposes the next drafts (a policy.Proposal: tokens, the source's confidence, which source):
+keeps of it) and proposes the next drafts (a Proposal, r2lm.generation.proposal: tokens, the source's confidence, which
+source):
 
     sources, widths                      its draft sources' names; the forward widths it can run (1 = an AR step)
     siblings                             the most siblings a forward may verify beside a draft (0 but a drafter's)
@@ -251,9 +252,10 @@ class CleanDrafts(Drafts):
         expects to commit more where there are two; None for a kind without any."""
         s, made = self.state, []
         for name in self.sources:
-            if name == "lookup":
-                draft = self.texts.lookup(s.b, s.mask_id)
-                made.append(self.host_proposal(draft, (draft != s.mask_id).astype(np.float64), name))
+            if name == "lookup":  # its confidence: how long a suffix it matched (one token's is right far less often)
+                draft, matched = self.texts.lookup(s.b, s.mask_id)
+                confidence = (draft != s.mask_id) * (matched / self.texts.max_ngram)[:, None]
+                made.append(self.host_proposal(draft, confidence, name))
             elif name == "ngram":
                 made.append(self.host_proposal(*self.verifying.ngram.draft(self.texts.tokens, s.b, s.mask_id), name))
         if len(made) < 2:

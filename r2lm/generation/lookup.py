@@ -45,16 +45,18 @@ class RowTexts:
         self.tokens = [t for t, s in zip(self.tokens, stay, strict=True) if s]
         self.latest = [d for d, s in zip(self.latest, stay, strict=True) if s]
 
-    def lookup(self, size: int, fill: int) -> np.ndarray:
-        """[R, size] drafts: for each row, the `size` tokens that followed the latest earlier occurrence of its last
-        n tokens (n = max_ngram, then shorter), cut at the row's end and filled with `fill` after it; all `fill`
-        where no suffix recurs."""
+    def lookup(self, size: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+        """([R, size] drafts, [R] the length n of the suffix each matched): for each row, the `size` tokens that
+        followed the latest earlier occurrence of its last n tokens (n = max_ngram, then shorter), cut at the row's
+        end and filled with `fill` after it; all `fill` (n = 0) where no suffix recurs."""
         out = np.full((len(self.tokens), size), fill, dtype=np.int64)
+        matched = np.zeros(len(self.tokens), dtype=np.int64)
         for row, (tokens, latest) in enumerate(zip(self.tokens, self.latest, strict=True)):
             for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
                 at = latest.get(tuple(tokens[-n:]))
                 if at is not None:
                     follow = tokens[at + 1 : at + 1 + size]
                     out[row, : len(follow)] = follow
+                    matched[row] = n
                     break
-        return out
+        return out, matched

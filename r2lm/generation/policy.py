@@ -145,8 +145,9 @@ class Acceptance:
     first token, the second, ... POSITIONS - 1 and later: a copied or well-predicted span, once its first token is
     right, tends to go on), each cell drawn towards the pooled rate until it has its own observations."""
 
-    def __init__(self):
-        self.pooled = np.array(PRIOR)  # (accepted, tried)
+    def __init__(self, prior: tuple[float, float] = PRIOR):
+        self.prior = np.array(prior)  # (accepted, tried) pseudo-counts before any observation
+        self.pooled = self.prior.copy()
         self.accepted = np.zeros((BUCKETS, POSITIONS))
         self.tried = np.zeros((BUCKETS, POSITIONS))
         # steps since a costly source last drafted, counted across calls like the estimates: calls shorter than
@@ -170,7 +171,7 @@ class Acceptance:
 
     def update(self, confidence: np.ndarray, position: np.ndarray, accepted: np.ndarray) -> None:
         decay = SOURCE_DECAY ** max(len(accepted), 1)
-        self.pooled = (self.pooled - PRIOR) * decay + PRIOR + np.array([accepted.sum(), len(accepted)])
+        self.pooled = (self.pooled - self.prior) * decay + self.prior + np.array([accepted.sum(), len(accepted)])
         self.accepted *= SOURCE_DECAY
         self.tried *= SOURCE_DECAY
         index = self.cell(confidence, position)
@@ -193,8 +194,11 @@ class Adaptive(Policy):
         kept = _ACCEPTANCE.setdefault(model, {}) if model is not None else {}
         self.estimates = {name: kept.setdefault((key, name), Acceptance()) for name in sources}
         # the siblings' own: a cell is (confidence, rank among the siblings), a token accepted where it is the
-        # target's, whatever the draft's first token was
-        self.sibling_estimates = {name: kept.setdefault((key, name, "siblings"), Acceptance()) for name in sources}
+        # target's, whatever the draft's first token was; at first the K of them together an even chance (they are
+        # disjoint events: an even chance each would promise K / 2 tokens a step)
+        sibling_prior = (PRIOR[0], PRIOR[1] * max(siblings, 1))
+        self.sibling_estimates = {name: kept.setdefault((key, name, "siblings"), Acceptance(sibling_prior))
+                                  for name in sources}
         # what steps took against their prices (r2lm.generation.costs.StepClock), kept like the estimates
         self.clock = kept.setdefault((key, "clock"), StepClock(max(widths) + siblings))
         self.clock.fit(max(widths) + siblings)
@@ -281,10 +285,12 @@ class Adaptive(Policy):
             if price.draft > 0 and self.drafted:
                 self.clock.drafting_step(seconds, forward, columns, price.draft)
         elif self.clock.forward_step(seconds, forward, columns) and self.costs.remeasure(rows, self.clock.forward):
-            self.prices.clear()  # the new table's prices, and ratios against them
+            self.prices.clear()  # the new table's prices, and what steps showed re-expressed against them
             self.clocked.clear()
             self.verdicts = {}
-            self.clock.reset()
+            self.price(rows)
+            new = self.prices[self.costs, rows]
+            self.clock.rescale(price.columns / new.columns, price.draft / new.draft if new.draft > 0 else 1.0)
 
     def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
         """[b]: the seconds of AR decoding that a step of width w = 1 .. b spares the batch, on average (the module

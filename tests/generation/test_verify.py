@@ -9,8 +9,10 @@ from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaLi
 from r2lm import generate
 from r2lm.convert.to_hf import without_sidecars
 from r2lm.diffusion import compute_loss
+from r2lm.generation.lookup import MAX_NGRAM
 from r2lm.layout import Layout
 from r2lm.prefix import PrefixCache
+from tests.generation.test_lookup import FILL, brute_force
 from tests.helpers.decoding import ar_greedy, left_padded
 from tests.helpers.models import MASK_ID, tiny_conversion, tiny_r2lm, tiny_tokenizer
 
@@ -296,6 +298,28 @@ def test_a_lookup_forward_without_drafts_is_one_column():
                 else 1 for at_rows in starts]
     assert widths[0] == 7 + expected[0] and widths[1:] == expected[1:]
     assert {1, 4} <= set(expected), expected  # both kinds of forward were seen
+
+
+def test_a_lookup_draft_is_as_confident_as_the_suffix_it_matched_is_long():
+    """Each step's lookup draft is the brute-force search's over the row's text so far, and its confidence (what the
+    policy's acceptance cells read) is the matched suffix's length over MAX_NGRAM: a draft after the last two tokens
+    is right far more often than one after the last token alone."""
+    model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3])
+    ids = torch.stack([torch.randperm(MASK_ID - 1, generator=torch.Generator().manual_seed(s))[:8] for s in (0, 1)])
+    steps = []
+    out = generate(model, ids, max_new_tokens=24, block_size=4, verify=True, eos_token_id=[], **LOOKUP, **WHOLE,
+                   step_callback=lambda info: steps.append((info.start.tolist(), info.proposals, info.confidence)))
+    text, seen = out.sequences.tolist(), set()
+    for start, proposals, confidence in steps:
+        for row, at in enumerate(start):
+            if at >= 24:
+                continue
+            draft, n = brute_force(text[row][: 8 + at], 4, MAX_NGRAM)
+            width = proposals.shape[1]
+            assert proposals[row].tolist() == [MASK_ID if t == FILL else t for t in draft[:width]]
+            assert confidence[row].tolist() == [0.0 if t == FILL else n / MAX_NGRAM for t in draft[:width]]
+            seen.add(n)
+    assert {1, 2} <= seen, seen  # both lengths were matched
 
 
 @pytest.mark.parametrize("options", [{}, LOOKUP])
