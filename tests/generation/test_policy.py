@@ -12,7 +12,7 @@ import torch
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation.costs import TRIALS as COST_TRIALS
-from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, interpolate
+from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy
 from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
@@ -347,6 +347,21 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     for _ in range(40):  # every step three times its forward
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=3 * steady.verify(1, 1))
     assert steady.remeasures == 1 and steady.settled
+
+
+def test_a_new_measurement_keeps_what_steps_showed():
+    """Forwards measured again re-express what steps showed against the new prices instead of forgetting it: a
+    width whose steps took twice its old price, now measured at that, is at its price; drafting whose steps took 3
+    times its price (host work beside the drafter's forward, which no measurement of the forward sees), measured
+    the same again, still costs 3 times it; a width no step timed stays at the measurement's word."""
+    clock = StepClock(4)
+    for _ in range(40):
+        clock.forward_step(2.0, 1.0, 2)  # width 2: 2 s where 1 s was priced
+        clock.drafting_step(1.0 * 2.0 + 3 * 0.5, 1.0, 2, 0.5)  # its forward, then drafting at 3x its 0.5 s
+    assert clock.factors()[2] == pytest.approx(2.0, rel=1e-3) and clock.drafting == pytest.approx(3.0, rel=1e-3)
+    clock.rescale(np.array([1.0, 0.5, 1.0, 1.0]), 1.0)  # widths 1 .. 4: width 2 now priced at 2 s, drafting as was
+    assert clock.factors().tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0], rel=1e-3)
+    assert clock.drafting == pytest.approx(3.0, rel=1e-3) and clock.forward == 1.0
 
 
 def test_cost_tables_interpolate_between_measured_shapes():
