@@ -6,7 +6,8 @@ a fraction of one (eval/step_cost.py measures them; docs/results.md).
 So `verify_policy="adaptive"` (the default) decides at run time, from two measurements:
 
 - acceptance, per draft source: the share of submitted tokens accepted, pooled (a new source starts at an even
-  chance and is known within a few steps), by the source's confidence in the token and its position in the draft
+  chance and is known within a few steps; a drafter's siblings together an even chance), by the source's
+  confidence in the token (lookup's: how long a suffix it matched) and its position in the draft
   (10 confidence buckets x the first, second, third and later tokens, each drawn towards the pooled rate: kept for
   the model and drafter across calls), and per row (this call's running rate, which scales the cells' estimate):
   q = estimated probability that a token is accepted, given that the ones before it were. A row submitting tokens with estimates q_1 .. q_k commits E(k) = 1 + sum_i prod_{j<=i} q_j tokens
@@ -15,11 +16,12 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   and D(R), what drafting adds to a step (the drafter's forward, and appending the step's column to its context),
   both timed on a scratch cache; and checked against the steps themselves (r2lm.generation.costs.StepClock):
   each forward width is priced at what its own steps took against its measured cost (a width can cost more than
-  its neighbours' measured costs suggest: its products' orders are its own), drafting at what steps with it took
-  beyond their forward (the drafter's context caught up, the step's host work: more than the drafter's forward
-  alone; docs/results.md, "Siblings"), and where steps without the drafter take more than DISAGREE times or less
-  than 1 / DISAGREE of their price, the measurement itself is in doubt (it met a passing load) and the forwards
-  are timed again (MeasuredCosts.remeasure);
+  its neighbours' measured costs suggest: its products' orders are its own; one no step has timed, at AR steps'
+  ratio), drafting at what steps with it took beyond their forward (the drafter's context caught up, the step's
+  host work: more than the drafter's forward alone; docs/results.md, "Siblings"), and where steps without the
+  drafter take more than DISAGREE times or less than 1 / DISAGREE of their price, the measurement itself is in
+  doubt (it met a passing load) and the forwards are timed again (MeasuredCosts.remeasure; what steps showed is
+  kept, re-expressed against the new prices);
 
 Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
 the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each

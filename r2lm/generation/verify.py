@@ -288,13 +288,13 @@ def decode_verified(model, r) -> GenerateOutput:
             following = drafts.next(length, ar, agreed)  # (None: made on the host from what the read brings)
             # the one host sync of an iteration: its outcome, each row's committed tokens, the next proposal if made
             remaining = torch.where(done[s.rows], 0, s.n - s.written[s.rows])
-            parts = [torch.stack([length.max(), done.all(), done[s.rows].any()]), agreed, remaining, hit, length, ar,
+            parts = [torch.stack([done.all(), done[s.rows].any()]), agreed, remaining, hit, length, ar,
                      *([] if following is None else following.fields())]
             values = np.asarray(torch.cat([x.double().flatten() for x in parts]).tolist())
-            (widest, over, left), agreed_, remaining_, hit_, length_, ar_, *proposed = (
+            (over, left), agreed_, remaining_, hit_, length_, ar_, *proposed = (
                 piece.reshape(x.shape) for piece, x in zip(np.split(values, np.cumsum([x.numel() for x in parts])[:-1]),
                                                            parts, strict=True))
-            widest, over, left = int(widest), bool(over), bool(left)
+            widest, over, left = int(length_.max()), bool(over), bool(left)
             hit_ = hit_.astype(np.int64)  # (a row whose sibling was right accepted none of the draft)
             s.reader.cache.advance(kept[:, :widest])  # the committed tokens' clean columns: exact keys
             if stopper.reads_text:  # stop strings, criteria and the streamer read the text every row has so far
