@@ -209,8 +209,8 @@ class StepClock:
     def factors(self) -> np.ndarray:
         """[c]: what a forward of c columns takes against its price: its steps' own ratio, or until one is timed AR
         steps' (the measurement taken at its word against an AR step, which is what the policy weighs: AR steps
-        that take 1.3 times their price while an untried width stayed at its own would make that width look 1.3
-        times cheaper than measured); 1 before any. Not the ratio of all forwards: made of the widths chosen, it
+        that take f times their price while an untried width stayed at its own would make that width look f times
+        cheaper than measured); 1 before any. Not the ratio of all forwards: made of the widths chosen, it
         would price an untried cheaper width with them."""
         if self.made[0] != self.version:
             ar = self.columns[1] if len(self.columns) > 1 and not np.isnan(self.columns[1]) else 1.0

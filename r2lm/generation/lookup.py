@@ -9,8 +9,8 @@ reads only the draft's clean columns, about an AR step's cost on a CPU.
 
 On the host: the loop's one host read per step brings each row's committed tokens anyway (r2lm.generation.verify),
 and an index of where each of a row's last 1 .. MAX_NGRAM tokens last occurred, grown with every committed token,
-answers in a few dictionary reads what a vectorised search over the whole text on the device answers in ~50 tensor
-operations (each a dispatch: a third of a millisecond a step on a CPU, more than the search's arithmetic).
+answers in a few dictionary reads what a vectorised search over the whole text on the device answers in dozens of
+tensor operations, each a dispatch that costs more than its arithmetic.
 """
 
 from __future__ import annotations
