@@ -13,12 +13,10 @@ several drafters, one registry (DRAFTS). Whatever drafts, what is committed is t
     lookup+ngram+drafter   the three: the drafter runs only where the policy expects it to beat the other two
 
 lookup and ngram cost no forward (FREE) and are made on the host, from each row's text there (RowTexts: the prompt,
-then the tokens the loop's one host read per step brings); where a kind has both, the policy picks per row between
-them.
+then the tokens the loop's one host read per step brings); where a kind has both, the policy picks per row.
 
 A Drafts object runs the verification forward itself (a drafter decides which columns the forward reads and what it
-keeps of it) and proposes the next drafts (a Proposal, r2lm.generation.proposal: tokens, the source's confidence, which
-source):
+keeps of it) and proposes the next drafts (r2lm.generation.proposal: tokens, the source's confidence, which source):
 
     sources, widths                      its draft sources' names; the forward widths it can run (1 = an AR step)
     siblings                             the most siblings a forward may verify beside a draft (0 but a drafter's)
