@@ -182,18 +182,16 @@ def check_verifiable(config, r) -> None:
 
 
 class Verification:
-    """The state of one verify=True call: each row's text (the prompt, -1 at padding: never looked up, then its
-    generated tokens `out`, which may overshoot max_new_tokens by < b), its committed count `written`, the rows
-    still in the forwards (`rows`, indices into the batch), and the exact cache they are verified against."""
+    """The state of one verify=True call: each row's generated tokens `out` (which may overshoot max_new_tokens by
+    < b), its committed count `written`, the rows still in the forwards (`rows`, indices into the batch), and the
+    exact cache they are verified against."""
 
     def __init__(self, model, r, forward_width: int):
         ids = r.prompt.input_ids
         self.model, self.r, self.input_ids = model, r, ids
         (self.batch, self.prompt_len), self.n, self.b = ids.shape, r.max_new_tokens, r.verifying.block_size
         self.mask_id, self.device = r.mask_id, ids.device
-        self.text = ids.new_full((self.batch, self.prompt_len + self.n + 2 * self.b), r.stopping.pad_id)
-        self.text[:, : self.prompt_len] = ids.masked_fill(r.prompt.attention_mask == 0, -1)
-        self.out = self.text[:, self.prompt_len :]
+        self.out = ids.new_full((self.batch, self.n + 2 * self.b), r.stopping.pad_id)
         self.written = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.rows = torch.arange(self.batch, device=self.device)
         # the cache columns the loop keeps: n where every step commits as much in every row, at most
