@@ -11,7 +11,10 @@ acceptance by its confidence. As with any draft, what is committed is the target
 
 A table is built from token ids (`NGramTable.build`, or `python -m r2lm.ngram build` from ShareGPT's training
 split, the conversations the benchmark's held-out chat prompts are not from), and fits every model of the
-tokenizer it was built with: it records the tokenizer's vocabulary size, and a model of another is refused. r2lm
+tokenizer it was built with. It can count another token than the text's after each context: `--records --greedy`
+counts the model's own greedy token after each context of the replies (read inside their conversations), a table
+of what the model writes rather than what the corpus wrote, at one forward per token (docs/results.md weighs the
+two at equal data). A table records its tokenizer's vocabulary size, and a model of another is refused. r2lm
 ships one for SmolLM2-135M-Instruct (r2lm/ngrams/, `NGramTable.shipped`), as it ships its drafter.
 
 The contexts are stored as keys: a context's tokens packed `bits` bits each (the most recent in the highest bits)
@@ -117,21 +120,34 @@ class NGramTable:
 
     @classmethod
     def build(cls, sequences, vocab_size: int, order: int | None = None, min_count: int = MIN_COUNT,
-              corpus: str = "", tokenizer: str = "") -> NGramTable:
+              corpus: str = "", tokenizer: str = "", labels=None) -> NGramTable:
         """Count every context of 1 .. order tokens inside each of `sequences` (token id lists or arrays) and the
-        token after it; keep the contexts seen at least `min_count` times, each with its likeliest next token."""
+        token after it; keep the contexts seen at least `min_count` times, each with its likeliest next token.
+
+        `labels` (one per sequence, of its length) count another token after each position's context instead of
+        the text's own: labels[i][p] after sequences[i][:p], -1 where nothing is counted. The target's greedy
+        tokens there make a table of what the target writes after a context rather than what the corpus wrote
+        (`python -m r2lm.ngram build --greedy`)."""
         order = longest_order(vocab_size) if order is None else order
         if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
             raise ValueError(f"min_count must be a positive integer, got {min_count!r}")
-        parts = [np.append(np.asarray(s, dtype=np.int64).reshape(-1), -1) for s in sequences]  # -1 ends each
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        real = tokens[tokens >= 0]
+        sequences = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+        tokens = np.concatenate([np.append(s, -1) for s in sequences]) if sequences else np.zeros(0, dtype=np.int64)
+        real = tokens[tokens >= 0]  # -1 ends each sequence
         if len(real) and (real.max() >= vocab_size or (tokens < -1).any()):
             raise ValueError(f"a sequence holds a token outside the vocabulary [0, {vocab_size})")
-        config = TableConfig(vocab_size, order, min_count, len(real), corpus, tokenizer)
+        nexts = tokens
+        if labels is not None:
+            labels = [np.asarray(s, dtype=np.int64).reshape(-1) for s in labels]
+            if [len(s) for s in labels] != [len(s) for s in sequences]:
+                raise ValueError("labels must be one sequence per text sequence, of its length")
+            nexts = np.concatenate([np.append(s, -1) for s in labels]) if labels else tokens
+            if ((nexts < -1) | (nexts >= vocab_size)).any():
+                raise ValueError(f"a label is outside the vocabulary [0, {vocab_size}) (or -1: not counted)")
+        config = TableConfig(vocab_size, order, min_count, int((nexts >= 0).sum()), corpus, tokenizer)
         # column n: the token n + 1 places before each position (-1 before a sequence's start)
         context = np.stack([np.concatenate([np.full(n + 1, -1), tokens])[: len(tokens)] for n in range(order)], 1)
-        keys, nexts = pack(context, config.bits).reshape(-1), np.repeat(tokens, order)
+        keys, nexts = pack(context, config.bits).reshape(-1), np.repeat(nexts, order)
         seen = (keys >= 0) & (nexts >= 0)
         keys, nexts = keys[seen], nexts[seen]
         by = np.lexsort((nexts, keys))
@@ -254,13 +270,85 @@ def sharegpt_replies(limit: int | None = None):
                 yield turn["value"]
 
 
+def read_records(path: Path, max_tokens: int | None = None):
+    """(token ids, reply spans) of each fixed-text record in a jsonl file (python -m train.fixed_text: ShareGPT's
+    training conversations through a model's chat template), until the replies hold max_tokens tokens."""
+    replies = 0
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                ids, spans = record["ids"], record["spans"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}, line {number}: not a fixed-text record (ids, spans): {err}") from None
+            if not all(0 < start <= end <= len(ids) for start, end in spans):
+                raise ValueError(f"{path}, line {number}: a reply span lies outside the record's {len(ids)} tokens")
+            yield ids, spans
+            replies += sum(end - start for start, end in spans)
+            if max_tokens is not None and replies >= max_tokens:
+                return
+
+
+def reply_labels(ids: list[int], spans, model=None) -> np.ndarray:
+    """The token counted after each position's context: the reply's own inside the spans, or with `model` its
+    greedy token after ids[:p] there (one forward over the record: the clean causal read AR decoding commits
+    from); -1 outside the spans (what the user and the template wrote is context, not a reply)."""
+    labels = np.full(len(ids), -1, dtype=np.int64)
+    if model is None:
+        for start, end in spans:
+            labels[start:end] = ids[start:end]
+        return labels
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1, : model.config.vocab_size]
+    greedy = logits.argmax(-1).cpu().numpy()
+    for start, end in spans:
+        labels[start:end] = greedy[start - 1 : end - 1]
+    return labels
+
+
+SHARD = 200  # records a labels cache file holds
+
+
+def cached_labels(records: list, model, cache: Path, records_file: Path):
+    """reply_labels(ids, spans, model) of each record, kept in `cache` a shard of SHARD records at a time (written
+    whole or not at all) and read back from there: labelling millions of tokens on a CPU outlives a sitting, and a
+    run started again goes on where the last one stopped. A cache made by another model or from other records is
+    refused (cache/identity.json: the model's digest and dtype, the records file's name and size)."""
+    identity = {"target_digest": target_digest(model), "dtype": str(model.dtype), "records": records_file.name,
+                "records_bytes": records_file.stat().st_size}
+    cache.mkdir(parents=True, exist_ok=True)
+    known = cache / "identity.json"
+    if known.is_file() and json.loads(known.read_text()) != identity:
+        raise ValueError(f"--cache {cache} holds labels of another model or records ({known.read_text().strip()}), "
+                         f"not {json.dumps(identity)}: give another folder")
+    known.write_text(json.dumps(identity))
+    for first in range(0, len(records), SHARD):
+        part = records[first : first + SHARD]
+        path = cache / f"{first // SHARD:06d}.npz"
+        lengths = np.array([len(ids) for ids, _ in part])
+        if path.is_file():  # a shard a shorter run (--max-tokens) left is made again whole
+            with np.load(path) as shard:
+                held, stored = shard["lengths"], shard["labels"]
+            if not np.array_equal(held[: len(lengths)], lengths[: len(held)]):
+                raise ValueError(f"{path} does not hold the labels of records {first} .. {first + len(part) - 1}")
+            if len(held) >= len(lengths):
+                yield from np.split(stored[: lengths.sum()].astype(np.int64), np.cumsum(lengths)[:-1])
+                continue
+        labels = [reply_labels(ids, spans, model) for ids, spans in part]
+        partial = path.with_name(path.stem + ".partial.npz")
+        np.savez(partial, labels=np.concatenate(labels).astype(np.int32), lengths=lengths)
+        partial.replace(path)
+        yield from labels
+
+
 def main(argv=None) -> None:
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
     parser = argparse.ArgumentParser(prog="python -m r2lm.ngram", description=(
         "Build an n-gram table (drafts for generate(verify=True, ngram=...) that cost no forward) from the replies "
-        "of ShareGPT's training split, tokenized by a model's tokenizer."))
+        "of ShareGPT's training split, tokenized by a model's tokenizer, or from fixed-text records of its "
+        "conversations (--records), counting the model's own greedy tokens (--greedy)."))
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="count a corpus into a table folder")
     build.add_argument("--model", type=Path, required=True,
@@ -269,6 +357,21 @@ def main(argv=None) -> None:
     build.add_argument("--conversations", type=int, default=None, help="read only the first N training conversations")
     build.add_argument("--order", type=int, default=None, help="the longest context (default: the most that fits a key)")
     build.add_argument("--min-count", type=int, default=MIN_COUNT, help="the fewest occurrences a context needs")
+    build.add_argument("--records", type=Path, default=None,
+                       help="count the replies of fixed-text records instead (a jsonl file from python -m "
+                            "train.fixed_text: ShareGPT's training conversations through the model's chat template), "
+                            "each context read inside its conversation")
+    build.add_argument("--greedy", action="store_true",
+                       help="with --records: count the model's own greedy token after each context of a reply, not "
+                            "the reply's: a table of what the model writes (one forward of the model per record)")
+    build.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                       help="the model's dtype for --greedy (default: bfloat16: near-ties may go either way, and a "
+                            "table counts)")
+    build.add_argument("--cache", type=Path, default=None,
+                       help="with --greedy: keep the labels in this folder as they are made, and read them back from "
+                            "there (a run stopped goes on where it stopped; another model's cache is refused)")
+    build.add_argument("--max-tokens", type=int, default=None, help="with --records: read records until their "
+                       "replies hold this many tokens")
     build.add_argument("--ship", action="store_true",
                        help="record the model's digest, so that NGramTable.shipped(model) finds the table")
     build.add_argument("--overwrite", action="store_true", help="replace an n-gram table folder at --out")
@@ -276,18 +379,45 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_replaceable(args.out, args.overwrite)  # before the counting, not after it
+        if args.records is None and (args.greedy or args.max_tokens is not None):
+            raise ValueError("--greedy and --max-tokens read --records (python -m train.fixed_text makes them)")
+        if args.cache is not None and not args.greedy:
+            raise ValueError("--cache keeps --greedy's labels: give --greedy too")
+        if args.records is not None and (args.conversations is not None or not args.records.is_file()):
+            raise ValueError(f"--records {args.records}: " + ("no such file" if not args.records.is_file() else
+                             "--conversations reads ShareGPT's bare replies; limit records with --max-tokens"))
+        if args.max_tokens is not None and args.max_tokens <= 0:
+            raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     except ValueError as err:
         parser.error(str(err))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
-    replies = list(tqdm(sharegpt_replies(args.conversations), desc="ShareGPT training replies", unit=" replies"))
-    end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    sequences = []
-    for start in tqdm(range(0, len(replies), 1000), desc="tokenizing", unit=" x1000 replies"):
-        sequences += [ids + end for ids in tokenizer(replies[start : start + 1000], add_special_tokens=False).input_ids]
-    table = NGramTable.build(sequences, vocab_size, args.order, args.min_count,
-                             corpus=f"ShareGPT V3 training split, assistant turns ({len(replies)})",
-                             tokenizer=tokenizer_digest(tokenizer))
+    labels = None
+    if args.records is None:
+        replies = list(tqdm(sharegpt_replies(args.conversations), desc="ShareGPT training replies", unit=" replies"))
+        end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        sequences = []
+        for start in tqdm(range(0, len(replies), 1000), desc="tokenizing", unit=" x1000 replies"):
+            sequences += [ids + end for ids in tokenizer(replies[start : start + 1000], add_special_tokens=False).input_ids]
+        corpus = f"ShareGPT V3 training split, assistant turns ({len(replies)})"
+    else:
+        try:
+            records = list(read_records(args.records, args.max_tokens))
+            if args.greedy:
+                model = R2LMForDiffusionLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+                made = cached_labels(records, model, args.cache, args.records) if args.cache else (
+                    reply_labels(ids, spans, model) for ids, spans in records)
+            else:
+                made = (reply_labels(ids, spans) for ids, spans in records)
+            labels = list(tqdm(made, total=len(records), desc="labelling" if args.greedy else "records",
+                               unit=" records", dynamic_ncols=True))
+        except ValueError as err:
+            parser.error(str(err))
+        sequences = [ids for ids, _ in records]
+        corpus = (f"ShareGPT V3 training split, {len(sequences)} conversations through the chat template, replies "
+                  + ("labelled by the model's greedy tokens" if args.greedy else "as written"))
+    table = NGramTable.build(sequences, vocab_size, args.order, args.min_count, corpus=corpus,
+                             tokenizer=tokenizer_digest(tokenizer), labels=labels)
     if args.ship:
         table.config = TableConfig(**{**asdict(table.config), "target_digest": target_digest(
             R2LMForDiffusionLM.from_pretrained(args.model))})

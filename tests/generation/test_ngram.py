@@ -7,28 +7,32 @@ import json
 import shutil
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
-from r2lm import generate
+from r2lm import R2LMForDiffusionLM, generate
 from r2lm.generation.policy import Adaptive, Longest
-from r2lm.ngram import CONFIG, TABLE, NGramTable, TableConfig, sharegpt_replies
+from r2lm.ngram import CONFIG, TABLE, NGramTable, TableConfig, main, reply_labels, sharegpt_replies
 from tests.generation.test_drafter import trained
 from tests.helpers.decoding import left_padded
-from tests.helpers.models import MASK_ID, VOCAB, tiny_conversion
+from tests.helpers.models import MASK_ID, VOCAB, make_model_dir, tiny_conversion
 
 FILL = 99
 
 
-def brute_force(corpus: list[list[int]], order: int, min_count: int, text: list[int], size: int):
+def brute_force(corpus: list[list[int]], order: int, min_count: int, text: list[int], size: int, labels=None):
     """(drafts, confidences): each next token the one most often after the longest context of 1 .. order tokens
     ending the text (and the tokens drafted before it) seen at least min_count times inside one sequence of the
-    corpus (the lowest id among equals), with its share of that context's occurrences; FILL (0.0) once none is."""
+    corpus (the lowest id among equals), with its share of that context's occurrences; FILL (0.0) once none is.
+    With `labels`, the token after a context at position i of a sequence is its label there (none where -1)."""
     follows: dict[tuple, Counter] = {}
-    for sequence in corpus:
+    for number, sequence in enumerate(corpus):
+        after = sequence if labels is None else labels[number]
         for i in range(1, len(sequence)):
             for n in range(1, min(order, i) + 1):
-                follows.setdefault(tuple(sequence[i - n : i]), Counter())[sequence[i]] += 1
+                if after[i] >= 0:
+                    follows.setdefault(tuple(sequence[i - n : i]), Counter())[after[i]] += 1
     text, drafts, confidences = list(text), [], []
     for _ in range(size):
         guess = None
@@ -64,6 +68,27 @@ def test_drafts_are_the_brute_force_count():
             assert confidences[row].tolist() == pytest.approx(sure), (trial, row)
 
 
+def test_labelled_drafts_are_the_brute_force_count_of_the_labels():
+    """A table counting other tokens after each context (the target's greedy ones) drafts what a count of those
+    labels drafts; positions labelled -1 count nothing."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        vocab = int(torch.randint(3, 7, (1,), generator=g))
+        corpus = [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
+        labels = [torch.randint(-1, vocab, (len(sequence),), generator=g).tolist() for sequence in corpus]
+        order, min_count = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        table = NGramTable.build(corpus, vocab, order, min_count, labels=labels)
+        assert table.config.tokens == sum(label >= 0 for row in labels for label in row)
+        texts = [torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(3)]
+        drafts, confidences = table.draft(texts, 4, FILL)
+        for row, tokens in enumerate(texts):
+            want, sure = brute_force(corpus, order, min_count, tokens, 4, labels)
+            assert drafts[row].tolist() == want, (trial, row, tokens, corpus, labels)
+            assert confidences[row].tolist() == pytest.approx(sure), (trial, row)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 5\)"):
         NGramTable.build([[1, 2, 5]], 5)
@@ -71,6 +96,10 @@ def test_bad_input_is_refused():
         NGramTable.build([[1, 2]], 5, order=9)
     with pytest.raises(ValueError, match="min_count must be a positive integer"):
         NGramTable.build([[1, 2]], 5, min_count=0)
+    with pytest.raises(ValueError, match="labels must be one sequence per text sequence, of its length"):
+        NGramTable.build([[1, 2]], 5, labels=[[1]])
+    with pytest.raises(ValueError, match=r"a label is outside the vocabulary \[0, 5\)"):
+        NGramTable.build([[1, 2]], 5, labels=[[-1, 5]])
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +117,71 @@ def setup(tmp_path_factory):
         row[changed] = torch.randint(0, MASK_ID - 1, (int(changed.sum()),), generator=g)
         corpus.append(row.tolist())
     return hf, target, NGramTable.build(corpus, VOCAB, min_count=1)
+
+
+def test_reply_labels_are_the_replies_or_the_targets_greedy_tokens(setup):
+    """Inside the reply spans: the reply's own tokens, or with the model transformers' greedy token after the
+    record's text before each position; -1 elsewhere."""
+    hf, target, _ = setup
+    ids = torch.randint(0, MASK_ID - 1, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    spans = [[5, 12], [20, 40]]
+    inside = torch.zeros(40, dtype=torch.bool)
+    for start, end in spans:
+        inside[start:end] = True
+    text = torch.tensor(reply_labels(ids, spans))
+    assert text[inside].tolist() == torch.tensor(ids)[inside].tolist() and (text[~inside] == -1).all()
+    with torch.no_grad():
+        greedy = hf(torch.tensor([ids])).logits[0].argmax(-1)  # greedy[p - 1]: the token after ids[:p]
+    labels = torch.tensor(reply_labels(ids, spans, target))
+    assert labels[inside].tolist() == greedy[torch.nonzero(inside)[:, 0] - 1].tolist() and (labels[~inside] == -1).all()
+
+
+def test_a_table_of_records_counts_their_replies_or_the_models_greedy_tokens(tmp_path, capsys):
+    """`python -m r2lm.ngram build --records FILE [--greedy [--cache DIR]]`: the table NGramTable.build counts of
+    the records' labels, the labels kept in the cache and read back from there, another model's cache refused;
+    misuse and a broken record are refused by name, and nothing is written."""
+    folder = make_model_dir(tmp_path / "model")
+    g = torch.Generator().manual_seed(4)
+    records = [{"ids": torch.randint(0, 200, (n,), generator=g).tolist(), "spans": [[3, n // 2], [n // 2 + 2, n]]}
+               for n in (30, 41, 25)]
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    model = R2LMForDiffusionLM.from_pretrained(folder).eval()
+    ids = [r["ids"] for r in records]
+    for greedy in (False, True):
+        out = tmp_path / f"table{greedy}"
+        main(["build", "--model", str(folder), "--out", str(out), "--records", str(path), "--min-count", "1",
+              "--dtype", "float32"] + ["--greedy"] * greedy)
+        labels = [reply_labels(r["ids"], r["spans"], model if greedy else None) for r in records]
+        want = NGramTable.build(ids, model.config.vocab_size, min_count=1, labels=labels)
+        table = NGramTable.load(out)
+        assert torch.equal(table.keys, want.keys) and torch.equal(table.next, want.next)
+        assert ("greedy" in table.config.corpus) == greedy and table.config.tokens == sum(
+            (label >= 0).sum() for label in labels)
+    cache = tmp_path / "cache"  # --greedy's labels kept as made, read back by a run started again
+    args = ["build", "--model", str(folder), "--records", str(path), "--min-count", "1", "--dtype", "float32",
+            "--greedy", "--cache", str(cache)]
+    main(args + ["--out", str(tmp_path / "cached")])
+    assert torch.equal(NGramTable.load(tmp_path / "cached").next, table.next)
+    with np.load(cache / "000000.npz") as shard:
+        assert shard["labels"].tolist() == np.concatenate(labels).tolist()
+        np.savez(cache / "000000.npz", labels=np.where(shard["labels"] >= 0, 7, -1), lengths=shard["lengths"])
+    main(args + ["--out", str(tmp_path / "read")])
+    assert set(NGramTable.load(tmp_path / "read").next.tolist()) == {7}  # read, not made again
+    other = make_model_dir(tmp_path / "other", hidden_size=48)
+    with pytest.raises(SystemExit):
+        main(args[:2] + [str(other)] + args[3:] + ["--out", str(tmp_path / "refused")])
+    assert "holds labels of another model or records" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(records[0]) + "\n" + json.dumps({"ids": [1, 2], "spans": [[1, 5]]}) + "\n")
+    for args, message in ((["--greedy"], "--greedy and --max-tokens read --records"),
+                          (["--records", str(path), "--cache", str(cache)], "--cache keeps --greedy's labels"),
+                          (["--records", str(broken)], "line 2: a reply span lies outside the record's 2 tokens"),
+                          (["--records", str(tmp_path / "none.jsonl")], "no such file")):
+        with pytest.raises(SystemExit):
+            main(["build", "--model", str(folder), "--out", str(tmp_path / "refused")] + args)
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("kind", ["ngram", "lookup+ngram", "lookup+ngram+drafter"])
