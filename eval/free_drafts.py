@@ -133,17 +133,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["sources"])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(names) * len(CATEGORIES) / 3, 3.8))
-    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(3.5 + 0.3 * len(names) * len(CATEGORIES), 3.8))
+    width, colors = 0.8 / len(names), plt.get_cmap("tab20").colors
     for k, name in enumerate(names):
-        ax.bar([c + k * width for c in range(len(CATEGORIES))],
-               [result["sources"][name][c]["tau"] for c in CATEGORIES], width, label=name)
+        ax.bar([c + k * width for c in range(len(CATEGORIES))], [result["sources"][name][c]["tau"] for c in CATEGORIES],
+               width, label=name, color=colors[k % len(colors)])
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(CATEGORIES))], CATEGORIES)
     ax.set_ylabel("tokens per verification step (τ)")
     ax.set_ylim(1, None)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def named(text: str) -> tuple[str, Path]:
