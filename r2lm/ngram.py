@@ -313,9 +313,10 @@ def cached_labels(records: list, model, cache: Path, records_file: Path):
     """reply_labels(ids, spans, model) of each record, kept in `cache` a shard of SHARD records at a time (written
     whole or not at all) and read back from there: labelling millions of tokens on a CPU outlives a sitting, and a
     run started again goes on where the last one stopped. A cache made by another model or from other records is
-    refused (cache/identity.json: the model's digest and dtype, the records file's name and size)."""
-    identity = {"target_digest": target_digest(model), "dtype": str(model.dtype), "records": records_file.name,
-                "records_bytes": records_file.stat().st_size}
+    refused (cache/identity.json: the model's digest and dtype, the records file's digest)."""
+    with records_file.open("rb") as f:
+        records_digest = hashlib.file_digest(f, "blake2b").hexdigest()[:16]
+    identity = {"target_digest": target_digest(model), "dtype": str(model.dtype), "records": records_digest}
     cache.mkdir(parents=True, exist_ok=True)
     known = cache / "identity.json"
     if known.is_file() and json.loads(known.read_text()) != identity:
@@ -383,9 +384,10 @@ def main(argv=None) -> None:
             raise ValueError("--greedy and --max-tokens read --records (python -m train.fixed_text makes them)")
         if args.cache is not None and not args.greedy:
             raise ValueError("--cache keeps --greedy's labels: give --greedy too")
-        if args.records is not None and (args.conversations is not None or not args.records.is_file()):
-            raise ValueError(f"--records {args.records}: " + ("no such file" if not args.records.is_file() else
-                             "--conversations reads ShareGPT's bare replies; limit records with --max-tokens"))
+        if args.records is not None and not args.records.is_file():
+            raise ValueError(f"--records {args.records}: no such file")
+        if args.records is not None and args.conversations is not None:
+            raise ValueError("--conversations limits ShareGPT's bare replies; limit --records with --max-tokens")
         if args.max_tokens is not None and args.max_tokens <= 0:
             raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
     except ValueError as err:
@@ -404,7 +406,8 @@ def main(argv=None) -> None:
         try:
             records = list(read_records(args.records, args.max_tokens))
             if args.greedy:
-                model = R2LMForDiffusionLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+                model = R2LMForDiffusionLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval().to(
+                    "cuda" if torch.cuda.is_available() else "cpu")  # a GPU labels millions of tokens in minutes
                 made = cached_labels(records, model, args.cache, args.records) if args.cache else (
                     reply_labels(ids, spans, model) for ids, spans in records)
             else:
