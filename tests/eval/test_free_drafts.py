@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from eval.free_drafts import main, replay, sources
-from r2lm.convert.from_hf import convert_from_hf
+from r2lm import R2LMForDiffusionLM
 from r2lm.ngram import NGramTable
-from tests.eval.test_lossless_bench import CHAT
-from tests.helpers.models import sharp_hf, tiny_tokenizer
+from tests.eval.test_lossless_bench import chat_target
 
 
 def brute_lookup(text: list[int], size: int) -> tuple[list[int], int]:
@@ -56,15 +55,10 @@ def test_a_replayed_verification_commits_what_the_drafts_agree_with():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("free")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT
-    hf = sharp_hf("qwen3", vocab_size=len(tokenizer) + 1, max_position_embeddings=2048,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    hf.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    folder = convert_from_hf(root / "hf", root / "target", sidecar_layers=[], block_size=4)
+    folder = chat_target(root)
+    vocab = R2LMForDiffusionLM.from_pretrained(folder).config.vocab_size
     g = torch.Generator().manual_seed(1)
-    NGramTable.build([torch.randint(0, 40, (300,), generator=g).tolist()], len(tokenizer) + 1, 2, 1).save(root / "t")
+    NGramTable.build([torch.randint(0, 40, (300,), generator=g).tolist()], vocab, 2, 1).save(root / "t")
     NGramTable.build([[1, 2, 3]], 7, 1, 1).save(root / "small")
     return root, folder
 

@@ -31,10 +31,9 @@ DOCS = ("# Results\n\nkept\n\n<!-- parallel decoding: begin (eval/parallel_bench
         "<!-- parallel decoding: end -->\n")
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    """(root, transformers source, R2LM target, untrained drafter, drafter training run)."""
-    root = tmp_path_factory.mktemp("lossless")
+def chat_target(root):
+    """A tiny transformers Qwen3 with a chat template saved in root/hf, converted to an R2LM target in root/target
+    (block size 4, no sidecars); returns the target's folder."""
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = CHAT
     # one id above the tokenizer's: convert from-hf adds [MASK] there, the vocabulary's last id
@@ -42,7 +41,14 @@ def inputs(tmp_path_factory):
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     hf.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
-    target = convert_from_hf(root / "hf", root / "target", sidecar_layers=[], block_size=4)
+    return convert_from_hf(root / "hf", root / "target", sidecar_layers=[], block_size=4)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """(root, transformers source, R2LM target, untrained drafter, drafter training run)."""
+    root = tmp_path_factory.mktemp("lossless")
+    target = chat_target(root)
     target_config = R2LMForDiffusionLM.from_pretrained(target).config
     assert target_config.mask_token_id == target_config.vocab_size - 1
     torch.manual_seed(1)
