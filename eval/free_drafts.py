@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.decoders import category_prompts, left_pad
+from eval.common import eos_of
+from eval.decoders import category_prompts, left_pad, r2lm_decoder
 from eval.machine import name_of
 
 logger = logging.getLogger("eval.free_drafts")
@@ -35,17 +36,13 @@ CATEGORIES = ("code", "chat", "prose")
 
 def greedy_replies(target, tokenizer, prompts: list[list[int]], new_tokens: int, batch: int = 8) -> list[list[int]]:
     """The target's AR greedy reply to each prompt, through its end-of-sequence token (kept: AR generates it)."""
-    from r2lm import generate
-
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = eos_of(tokenizer, target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    decode = r2lm_decoder(target, [] if eos is None else [eos], pad, block_size=1)
     replies = []
     for first in range(0, len(prompts), batch):
-        ids, mask = left_pad(prompts[first : first + batch], pad)
         with torch.no_grad():
-            out = generate(target, ids, attention_mask=mask, max_new_tokens=new_tokens, block_size=1,
-                           eos_token_id=eos, pad_token_id=pad)
-        for row in out.sequences[:, ids.shape[1] :].tolist():
-            replies.append(row[: row.index(eos) + 1] if eos in row else row)
+            replies += decode(*left_pad(prompts[first : first + batch], pad), new_tokens).rows
     return replies
 
 
