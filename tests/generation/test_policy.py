@@ -353,7 +353,7 @@ def test_a_new_measurement_keeps_what_steps_showed():
     """Forwards measured again re-express what steps showed against the new prices instead of forgetting it: a
     width whose steps took twice its old price, now measured at that, is at its price; drafting whose steps took 3
     times its price (host work beside the drafter's forward, which no measurement of the forward sees), measured
-    the same again, still costs 3 times it; a width no step timed stays at the measurement's word."""
+    the same again, still costs 3 times it; a width no step timed is at AR steps' ratio (1 here: none was timed)."""
     clock = StepClock(4)
     for _ in range(40):
         clock.forward_step(2.0, 1.0, 2)  # width 2: 2 s where 1 s was priced
@@ -362,6 +362,19 @@ def test_a_new_measurement_keeps_what_steps_showed():
     clock.rescale(np.array([1.0, 0.5, 1.0, 1.0]), 1.0)  # widths 1 .. 4: width 2 now priced at 2 s, drafting as was
     assert clock.factors().tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0], rel=1e-3)
     assert clock.drafting == pytest.approx(3.0, rel=1e-3) and clock.forward == 1.0
+
+
+def test_a_width_no_step_has_timed_is_priced_at_ar_steps_ratio():
+    """The policy weighs each width against an AR step: where AR steps take 1.3 times their price, a width no step
+    has timed is taken at 1.3 times its own (at 1, it would look 1.3 times cheaper than measured), until its own
+    steps show what it takes."""
+    clock = StepClock(4)
+    for _ in range(40):
+        clock.forward_step(1.3, 1.0, 1)  # AR steps: 1.3 s where 1 s was priced
+    assert clock.factors()[1:].tolist() == pytest.approx([1.3] * 4, rel=1e-3)
+    for _ in range(40):
+        clock.forward_step(2.0, 2.0, 3)  # width 3 takes its price
+    assert clock.factors()[[1, 2, 3, 4]].tolist() == pytest.approx([1.3, 1.3, 1.0, 1.3], rel=1e-3)
 
 
 def test_cost_tables_interpolate_between_measured_shapes():
