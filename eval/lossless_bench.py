@@ -21,7 +21,8 @@ speed      per category and batch size, one run interleaved a batch at a time (a
            than a pass lasts; no decoder always follows the same one):
              ar                     the target without sidecars, block_size=1, KV cache: its greedy AR decoding
              ar_again               the same decoding again, timed as a decoder of its own: its × AR is what two
-                                    identical decoders differ by in this run (the noise floor of every cell)
+                                    identical decoders differ by in this run (the noise floor of every cell; a
+                                    run where it leaves 0.97-1.03x in some cell is reported as not quiet)
              transformers           greedy `generate` of --reference (the checkpoint the target was converted
                                     from; without one, the target's weights in transformers' own model class)
              transformers_lookup    the same with `prompt_lookup_num_tokens=--block-size` (batch 1 only: assisted
@@ -83,7 +84,7 @@ from eval import common
 from eval.decoders import category_prompts
 from eval.drafter_curve import checkpoint_config, measure_curve, merge_runs
 from eval.humaneval import measure_humaneval
-from eval.lossless_report import plot, render, replace_section
+from eval.lossless_report import QUIET, noise_floor, plot, quiet, render, replace_section
 from eval.lossless_speed import measure_speed
 from eval.machine import describe, linear_orders, name_of, packages
 from r2lm import R2LMForDiffusionLM, ngram
@@ -376,6 +377,11 @@ def main(argv=None) -> dict:
             logger.info("measuring %s", part)
             if part == "speed":
                 parts["speed"] = measure_speed(s, prompts, args, part_settings(args, "speed"))
+                floor = noise_floor(parts["speed"])
+                if floor is not None and not quiet(floor):
+                    logger.warning("not a quiet run: ar_again ran %.2fx-%.2fx AR (outside %.2f-%.2fx); the machine's "
+                                   "speed moved during the run: measure again on a quiet machine before taking its "
+                                   "cells as figures of record", *floor, *QUIET)
             elif part == "humaneval":
                 parts["humaneval"] = measure_humaneval(s, args, part_settings(args, "humaneval"))
             else:

@@ -14,6 +14,9 @@ BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!--
 TIMINGS = {"median": "each decoder's median pass",
            "fastest": "each decoder's fastest pass, the decoders in another order each pass",
            "fastest batch": "each batch's fastest decode, the decoders in another order each pass"}
+# ar_again (AR decoded again, as a decoder of its own) within this of AR in every cell: the machine was quiet enough
+# for the cells to tell a decoder from AR to a few percent (outside it, a load came and went during the run)
+QUIET = (0.97, 1.03)
 
 
 def render(results: dict) -> str:
@@ -52,6 +55,14 @@ def render(results: dict) -> str:
                          if k in e["vs_ar"] else "-" for k in shown]
                 lines.append(f"| {category} | {batch} | {e['tokens_per_s']['ar']:.1f} | " + " | ".join(cells) +
                              f" | {e['verify_is_ar']} | {e['ar_is_transformers']} |")
+        floor = noise_floor(p)
+        if floor is not None:
+            lo, hi = floor
+            lines += ["", (f"Noise floor: ar_again ran {lo:.2f}x-{hi:.2f}x AR across the cells (two identical decoders "
+                           "differ by that much in this run)." if quiet(floor) else
+                           f"**Not a quiet run**: ar_again, the same AR decoding timed again, ran {lo:.2f}x-{hi:.2f}x "
+                           f"AR across the cells (outside {QUIET[0]:.2f}-{QUIET[1]:.2f}x): the machine's speed moved "
+                           "during the run, and cells that far from 1.00x do not tell a decoder from AR.")]
         ones = p["batches"].get("1", {})
         verified = [k for k in shown if k.startswith("verify:")]
         if ones and all("vs_transformers_lookup" in e for e in ones.values()):
@@ -139,6 +150,18 @@ def render(results: dict) -> str:
                              f"{'-' if batches is None else f'{batches:.3f}'} |")
     lines += ["", "![lossless decoding](results/lossless.png)"]
     return "\n".join(lines)
+
+
+def noise_floor(speed: dict) -> tuple[float, float] | None:
+    """The lowest and highest × AR of ar_again over a speed part's cells (None: not measured)."""
+    again = [e["vs_ar"]["ar_again"] for entries in speed["batches"].values() for e in entries.values()
+             if "ar_again" in e["vs_ar"]]
+    return (min(again), max(again)) if again else None
+
+
+def quiet(floor: tuple[float, float]) -> bool:
+    """Whether a run's noise floor lies within QUIET."""
+    return QUIET[0] <= floor[0] and floor[1] <= QUIET[1]
 
 
 def per_doubling(points: list[dict], categories: list[str]) -> tuple[float, int, int] | None:

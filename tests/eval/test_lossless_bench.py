@@ -13,7 +13,7 @@ from eval import lossless_bench, lossless_speed
 from eval.decoders import category_prompts, r2lm_decoder
 from eval.drafter_curve import merge_runs
 from eval.humaneval import completion_of, score
-from eval.lossless_report import BEGIN, END, per_doubling, render
+from eval.lossless_report import BEGIN, END, noise_floor, per_doubling, render
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
@@ -182,6 +182,30 @@ def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
     slope, first, last = per_doubling(points, ["code", "chat"])
     assert slope == pytest.approx(0.1) and (first, last) == (8_000_000, 32_000_000)
     assert per_doubling(points[:1], ["code"]) is None
+
+
+def test_a_run_whose_identical_decoders_differ_is_marked_not_quiet():
+    """The report states each run's noise floor (ar_again: AR timed again as a decoder of its own), and marks a run
+    where it left 0.97-1.03x as not quiet (the machine's speed moved: its cells do not tell a decoder from AR)."""
+    def cell(again):
+        return {"vs_ar": {"ar": 1.0, "ar_again": again, "verify:lookup": 1.2}, "tau": {"verify:lookup": 1.4},
+                "tokens_per_s": {"ar": 30.0}, "verify_is_ar": True, "ar_is_transformers": True}
+
+    def part(again):
+        speed = {"settings": {"max_prompt_tokens": 1024, "new_tokens": 64, "block_size": 8, "repeats": 3},
+                 "measured": {"commit": "c0ffee0", "machine": {"cpu": "AMD EPYC", "capability": "AVX2", "cpus": 2}},
+                 "reference": "r",
+                 "prompt_ids": {"code": [1], "chat": [2]}, "drafters": {},
+                 "batches": {"1": {"code": cell(again[0]), "chat": cell(again[1])}}}
+        return speed, render({"target": "t", "parts": {"speed": speed}})
+
+    speed, text = part([0.99, 1.02])
+    assert noise_floor(speed) == (0.99, 1.02)
+    assert "Noise floor: ar_again ran 0.99x-1.02x AR" in text and "Not a quiet run" not in text
+    speed, text = part([0.94, 1.01])
+    assert noise_floor(speed) == (0.94, 1.01)
+    assert "**Not a quiet run**: ar_again, the same AR decoding timed again, ran 0.94x-1.01x AR" in text
+    assert "Not a quiet run" in part([1.0, 1.05])[1]
 
 
 def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
