@@ -160,8 +160,8 @@ def noise_floor(speed: dict) -> tuple[float, float] | None:
 
 
 def quiet(floor: tuple[float, float]) -> bool:
-    """Whether a run's noise floor lies within QUIET."""
-    return QUIET[0] <= floor[0] and floor[1] <= QUIET[1]
+    """Whether a run's noise floor lies within QUIET, as the cells show it (two decimals)."""
+    return QUIET[0] <= round(floor[0], 2) and round(floor[1], 2) <= QUIET[1]
 
 
 def per_doubling(points: list[dict], categories: list[str]) -> tuple[float, int, int] | None:

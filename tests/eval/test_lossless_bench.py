@@ -206,6 +206,7 @@ def test_a_run_whose_identical_decoders_differ_is_marked_not_quiet():
     assert noise_floor(speed) == (0.94, 1.01)
     assert "**Not a quiet run**: ar_again, the same AR decoding timed again, ran 0.94x-1.01x AR" in text
     assert "Not a quiet run" in part([1.0, 1.05])[1]
+    assert "Noise floor: ar_again ran 0.97x-1.00x AR" in part([0.966, 1.0])[1]  # judged as the cells show it
 
 
 def test_a_verified_output_that_differs_from_ar_is_reported(inputs):

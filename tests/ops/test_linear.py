@@ -160,6 +160,21 @@ def test_the_kernel_is_f_linear_for_every_remainder():
         kernel().few_rows(x.double(), w.double())
 
 
+def test_the_kernel_gives_a_row_the_same_bits_whatever_the_rows_beside_it():
+    """A row's product through the kernel does not depend on how many rows are multiplied with it, nor on where the
+    weight's rows fall in its tiles (the tail tile, the prefetch of the next one): a verification forward's columns
+    get exactly what AR steps over the same text would, where both use the kernel."""
+    if kernel() is None:
+        pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((4, 16), (9, 48), (203, 576), (7, 1536)):
+        x, w = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g)
+        alone = torch.cat([kernel().few_rows(x[i : i + 1], w) for i in range(16)])
+        for rows in range(1, 17):
+            assert torch.equal(kernel().few_rows(x[:rows], w), alone[:rows]), (rows, n, k)
+        assert torch.equal(kernel().few_rows(x[:3], w[1:]), alone[:3, 1:])  # the weight's rows in other tiles
+
+
 def test_a_column_major_input_is_multiplied_as_rows():
     """The fast path's own output is a column-major view; fed to the next product (the MLP's down_proj), it is
     copied into rows first, so W @ x^T gets the right-hand side layout MKL is fast with (x^T column-major)."""

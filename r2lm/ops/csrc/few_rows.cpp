@@ -1,7 +1,9 @@
 // y = x W^T for a few rows of x (float32, CPU): the product of a decode step, which is memory-bound. Each tile of
 // 4 weight rows is read from memory once and multiplied by every row of x (x stays in cache), 16 floats at a time
-// with GCC's vector extensions (AVX-512, AVX2 or SSE, whatever the build's -march gives). r2lm/ops/few_rows.py
-// builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
+// with GCC's vector extensions (AVX-512, AVX2 or SSE, whatever the build's -march gives), while the next tile's rows
+// are prefetched: with several rows of x the multiplications take long enough that the hardware's own prefetch
+// falls behind, and a forward of 4-8 rows cost 1.2-1.6x one row's (docs/results.md, "Few-row matrix products").
+// r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -20,15 +22,21 @@ static inline float sum16(v16 v) {
 }
 
 // out[m0 + i, n0 + j] for i < MB, j < NB: MB x NB accumulators over the 16-float chunks of k, then the tail
+// (the prefetch changes no result: each output's sum is the same whatever the row count, as AR steps and verification
+// forwards of one text need)
 template <int NB, int MB>
 static inline void tile(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; i++)
     for (int j = 0; j < NB; j++) acc[i][j] = (v16){};
+  const float* next = w + (n0 + NB + NB <= N ? n0 + NB : n0) * K;  // the next tile's rows (the last tile: its own)
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     v16 a[NB];
-    for (int j = 0; j < NB; j++) a[j] = load16(w + (n0 + j) * K + k);
+    for (int j = 0; j < NB; j++) {
+      a[j] = load16(w + (n0 + j) * K + k);
+      __builtin_prefetch(next + j * K + k, 0, 0);
+    }
     for (int i = 0; i < MB; i++) {
       const v16 b = load16(x + (m0 + i) * K + k);
       for (int j = 0; j < NB; j++) acc[i][j] += a[j] * b;
