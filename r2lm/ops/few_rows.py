@@ -2,7 +2,8 @@
 
 A verification or window forward multiplies a few rows (4-16) by every weight. That is memory-bound, so it should
 cost about what one row costs; BLAS's small-M paths often cost two or three times that. The kernel reads each tile
-of weight rows from memory once and multiplies every input row by it from cache.
+of weight rows from memory once and multiplies every input row by it from cache, prefetching the next tile as it
+goes.
 
 It is compiled once per machine (its CPU model and flags: `-march=native` code must never run on another CPU),
 torch version and source, into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) by `build()` (`python -m

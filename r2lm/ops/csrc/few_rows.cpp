@@ -2,7 +2,7 @@
 // 4 weight rows is read from memory once and multiplied by every row of x (x stays in cache), 16 floats at a time
 // with GCC's vector extensions (AVX-512, AVX2 or SSE, whatever the build's -march gives), while the next tile's rows
 // are prefetched: with several rows of x the multiplications take long enough that the hardware's own prefetch
-// falls behind, and a forward of 4-8 rows cost 1.2-1.6x one row's (docs/results.md, "Few-row matrix products").
+// falls behind, and 4-8 rows cost 1.3-1.7x one row's without it (docs/results.md, "Few-row matrix products on a CPU").
 // r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -22,8 +22,7 @@ static inline float sum16(v16 v) {
 }
 
 // out[m0 + i, n0 + j] for i < MB, j < NB: MB x NB accumulators over the 16-float chunks of k, then the tail
-// (the prefetch changes no result: each output's sum is the same whatever the row count, as AR steps and verification
-// forwards of one text need)
+// (each output's sum is the same whatever the row count and the tile it falls in; the prefetch changes no result)
 template <int NB, int MB>
 static inline void tile(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   v16 acc[MB][NB];
