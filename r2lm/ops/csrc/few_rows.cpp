@@ -2,7 +2,7 @@
 // 4 weight rows is read from memory once and multiplied by every row of x (x stays in cache), 16 floats at a time
 // with GCC's vector extensions (AVX-512, AVX2 or SSE, whatever the build's -march gives), while the next tile's rows
 // are prefetched: with several rows of x the multiplications take long enough that the hardware's own prefetch
-// falls behind, and 4-8 rows cost 1.3-1.7x one row's without it (docs/results.md, "Few-row matrix products on a CPU").
+// falls behind (docs/results.md, "Few-row matrix products on a CPU", measures what it saves).
 // r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
