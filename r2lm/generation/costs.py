@@ -65,6 +65,11 @@ class StepCosts(ABC):
         did (costs that are said, not measured, are never measured again)."""
         return False
 
+    def timings(self) -> int:
+        """Products the models' r2lm.ops.linear tuners have timed so far (0: none installed, or costs said): a step
+        in which it grew ran the tuner's timing of a product class new to it, not only its forwards."""
+        return 0
+
 
 class ScriptedCosts(StepCosts):
     def __init__(self, verify: Callable[[int, int], float], draft: Callable[[int], float] = lambda rows: 0.0):

@@ -117,6 +117,7 @@ class Tuner:
         self.order = None if order is None else _order_named(order)
         self.trials: dict[tuple, dict[str, list[float]]] = {}  # class -> order -> times
         self.chosen: dict[tuple, str] = {}  # class -> the order used
+        self.timed = 0  # products timed so far (read every decode step: a count, not a sum over the classes)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -148,6 +149,7 @@ class Tuner:
             start = time.perf_counter()
             product = ORDERS[order](x, weight, bias)
             times[order].append(time.perf_counter() - start)
+            self.timed += 1
             out = product if order == REFERENCE else out
         if out is None:
             out = F.linear(x, weight, bias)
@@ -165,7 +167,7 @@ class Tuner:
     def timings(self) -> int:
         """Products timed so far: each a call of a class that was undecided then (a forward that adds none ran only
         decided orders)."""
-        return sum(len(t) for times in self.trials.values() for t in times.values())
+        return self.timed
 
     def undecided(self) -> int:
         """Shape classes still being timed (their products run every order in turn: a forward costs more until

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
@@ -347,6 +348,29 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     for _ in range(40):  # every step three times its forward
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=3 * steady.verify(1, 1))
     assert steady.remeasures == 1 and steady.settled
+
+
+def test_a_step_in_which_the_tuner_timed_products_does_not_price_the_forwards():
+    """Rows that leave a batch bring row counts new to the model's r2lm.ops.linear tuner, which times their product
+    orders inside the steps that first use them (every order in turn: such a step takes many forwards' time). Those
+    steps say what the tuning took, not what a forward costs: they move no price and have nothing measured again (a
+    new measurement, tens of seconds at batch 8, inside a user's call). The same slow steps without tuning do."""
+    layer = nn.Linear(64, 64)
+    install(layer)
+    costs = MeasuredCosts(slowed_forwards({}), [1, 2, 4], None, torch.device("cpu"), models=(layer,))
+    costs.measure(1)
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
+    nothing = Proposal(np.full((1, 4), 99), np.zeros((1, 4)), np.array([0]))
+    slow = 10 * costs.verify(1, 1)
+    for rows in range(1, 13):  # each step, the tuner times a class it has not seen: a row count new to it
+        with torch.no_grad():
+            layer(torch.randn(rows, 64))
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
+    assert costs.remeasures == 0 and policy.clock.forward == 1.0 and np.isnan(policy.clock.columns[1])
+    for _ in range(6):  # steps as slow, with no tuning in them: the prices are in doubt
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
+    assert costs.remeasures == 1
 
 
 def test_a_new_measurement_keeps_what_steps_showed():
