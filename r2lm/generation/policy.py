@@ -21,7 +21,8 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   host work: more than the drafter's forward alone; docs/results.md, "Siblings"), and where steps without the
   drafter take more than DISAGREE times or less than 1 / DISAGREE of their price, the measurement itself is in
   doubt (it met a passing load) and the forwards are timed again (MeasuredCosts.remeasure; what steps showed is
-  kept, re-expressed against the new prices);
+  kept, re-expressed against the new prices); a step in which the model's product tuner (r2lm.ops.linear) timed a
+  shape class new to it, a row count reached as rows leave, is left out: its time is the tuning's;
 
 Each step it takes the forward width w that spares most AR time per second. What a step spares is measured in
 the AR decoding it replaces: an AR step over R rows costs C(R, 1) = A + B R (A the forward's fixed part, B each
