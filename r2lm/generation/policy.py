@@ -213,7 +213,7 @@ class Adaptive(Policy):
         self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
         self.clocked: dict = {}  # (costs, rows) -> (the clock's version, those Prices at what steps show)
         self.learnt, self.verdicts = 0, {}  # observations that changed an estimate; `pays` answers since the last
-        self.tuned = 0 if self.costs is None else self.costs.timings()  # products the tuners had timed by the last step
+        self.tuned = None if self.costs is None else self.costs.timings()  # products the tuners timed by the last step
 
     # --------------------------------------------------------------------------------------------- estimates
 
@@ -428,9 +428,8 @@ class Adaptive(Policy):
         self._rows(proposal.draft.shape[0])
         # a step in which the model's tuner timed products (a row count new to it: rows left the batch) took what
         # that timing took, many forwards' worth: it says nothing of the forwards' prices
-        tuned = self.costs is not None and self.costs.timings() != self.tuned
-        if tuned:
-            self.tuned = self.costs.timings()
+        timings = None if self.costs is None else self.costs.timings()
+        tuned, self.tuned = timings != self.tuned, timings
         if seconds is not None and not tuned:
             self.timed(seconds, width + siblings, proposal.draft.shape[0])
         self.drafted, self.drafting = self.drafting, False
