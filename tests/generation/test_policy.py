@@ -370,7 +370,9 @@ def test_a_step_in_which_the_tuner_timed_products_does_not_price_the_forwards():
     assert costs.remeasures == 0 and policy.clock.forward == 1.0 and np.isnan(policy.clock.columns[1])
     for _ in range(6):  # steps as slow, with no tuning in them: the prices are in doubt
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
-    assert costs.remeasures == 1
+    # (at least once: whether a sleep-timed measurement agrees with the last one closely enough to settle depends on
+    # the machine's load, not on what is tested here)
+    assert costs.remeasures >= 1
 
 
 def test_a_new_measurement_keeps_what_steps_showed():
