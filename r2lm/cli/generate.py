@@ -27,6 +27,7 @@ from transformers import TextStreamer
 from r2lm.checkpoints import check_tokenizer, check_weights, load_tokenizer, read_config
 from r2lm.device import resolve_device
 from r2lm.drafter import Drafter
+from r2lm.generation import costs
 from r2lm.generation.drafts import DRAFTS
 from r2lm.generation.policy import POLICIES
 from r2lm.generation.sampling import CONFIDENCES
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     products = decoding.add_mutually_exclusive_group()  # the CPU decode speedup, applied from outside the model
     products.add_argument("--linear-decisions", metavar="FILE", type=Path,
                           help="keep the order each few-row matrix product takes on this CPU (r2lm.ops.linear) in "
-                               "FILE: loaded when it exists (refused if made on another machine or torch), else "
-                               "measured in this run and saved there, so later runs compute the same bits")
+                               "FILE: loaded when it exists (refused if made on another machine or torch), and saved "
+                               "there when this run decided orders it lacked, so later runs compute the same bits and "
+                               "measure nothing again")
     products.add_argument("--plain-products", action="store_true",
                           help="multiply as the plain model does (F.linear) instead of in the order measured fastest")
     verify = parser.add_argument_group("lossless verified decoding (the output is the model's own greedy AR text)")
@@ -91,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--verify-siblings", type=int, metavar="K",
                         help="with a drafter: verify up to K of its next likeliest first tokens beside each draft, "
                              "where the policy finds they pay (default 3; 0: the draft alone)")
+    verify.add_argument("--verify-costs", metavar="FILE", type=Path,
+                        help="keep what the verification forwards cost on this machine (r2lm.generation.costs, what "
+                             "the adaptive policy weighs) in FILE: loaded when it exists (refused if made on another "
+                             "machine or torch), and saved there when this run measured costs it lacked, so later "
+                             "runs skip the measurement that makes a first verified call slow (seconds to tens of "
+                             "seconds on a CPU)")
     return parser
 
 
@@ -182,18 +190,24 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
         if options["ngram"] is None:
             raise ValueError(f"r2lm ships no n-gram table for {args.checkpoint}'s model: give --ngram DIR (build one "
                              "with python -m r2lm.ngram build)")
+    if args.verify_costs is not None and args.verify_costs.is_file():
+        costs.load(args.verify_costs)
+    known = costs.kept_tables()
     kept = args.linear_decisions is not None and args.linear_decisions.is_file()
     if not args.plain_products:  # one tuner for the model and its drafter: they share their decisions
         tuner = install(model, Tuner.load(args.linear_decisions) if kept else None)
         if options.get("drafter") is not None:
             install(options["drafter"], tuner)
+        decided = tuner.decisions()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
     start = time.perf_counter()
     out = model.generate(batch.input_ids.to(device), batch.attention_mask.to(device), return_dict_in_generate=True,
                          tokenizer=tokenizer, streamer=streamer, **options)
     seconds = time.perf_counter() - start
-    if args.linear_decisions is not None and not kept:
+    if args.linear_decisions is not None and tuner.decisions() != decided:
         tuner.save(args.linear_decisions)
+    if args.verify_costs is not None and costs.kept_tables() != known:
+        costs.save(args.verify_costs)
     if streamer is None:
         new = out.sequences[:, batch.input_ids.shape[1]:]
         for prompt, text in zip(args.prompt, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
@@ -229,6 +243,8 @@ def run(argv=None) -> int:
     if args.ngram is not None and not args.ngram.strip():
         parser.error("--ngram was given an empty folder name: give a table folder, or --ngram alone for the one r2lm "
                      "ships for this model")
+    if args.verify_costs is not None and not (args.verify or args.drafter is not None or args.ngram is not None):
+        parser.error("--verify-costs keeps what verified decoding measures: pass --verify (or --drafter, --ngram)")
     device = check_device(parser, args.device)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -5,7 +5,9 @@ expected acceptance).
 No machine's constants: `MeasuredCosts` times the forwards themselves, the first time a model decodes with a draft
 source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a
 scratch cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
-a r2lm.ops.linear tuner keeps its decisions. Every width, not a few to interpolate between: a width's cost need not
+a r2lm.ops.linear tuner keeps its decisions; `save` / `load` keep the tables across processes (a file made on another
+machine, torch or kernel build is refused), so that a process does not pay the measurement again (seconds at batch 1,
+tens at batch 8 on a 2-core CPU: the first verified call's, against an AR call's fraction of a second). Every width, not a few to interpolate between: a width's cost need not
 lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward width's own cost"), and
 timing it settles those orders before a step would (a tuner times a new shape class inside the first forwards that
 use it). Row counts between the measured ones (the call's and one) are
@@ -26,17 +28,22 @@ work), and a forward width can cost more than its measured neighbours suggest (i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import statistics
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from r2lm.ops.linear import tuner_of
+from r2lm.ops.linear import machine, tuner_of
+from r2lm.prefix.identity import forward_config
 
 TRIALS = 3  # timed forwards per measured shape, after untimed ones (allocation, kernel choice, product orders)
 SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner times its orders in a class's first uses
@@ -121,8 +128,10 @@ class MeasuredCosts(StepCosts):
     installed, must have decided their product orders before a forward is timed."""
 
     def __init__(self, forward: Callable[[int, int], Callable[[], object]], widths: list[int],
-                 drafting: Callable[[int], Callable[[], object]] | None, device: torch.device, models=()):
+                 drafting: Callable[[int], Callable[[], object]] | None, device: torch.device, models=(),
+                 name: str = ""):
         self.forward, self.widths, self.drafting, self.device = forward, widths, drafting, device
+        self.name = name  # what `save` writes it under (`kept_costs`): the same forwards in another process
         self.tuners = {id(t): t for t in map(tuner_of, models) if t is not None}.values()
         self.verify_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds
         self.draft_table: dict[int, float] = {}  # rows -> seconds
@@ -186,11 +195,22 @@ class MeasuredCosts(StepCosts):
         return max(interpolate(self.draft_table, rows), 0.0)
 
     def table(self) -> dict:
-        """What was measured (for a benchmark's JSON): seconds by rows and width, and of drafting by rows; how often
-        steps had it measured again, and whether they will no more."""
+        """What was measured (for a benchmark's JSON, and what `save` writes): seconds by rows and width, and of
+        drafting by rows; how often steps had it measured again, and whether they will no more."""
         return {"verify": {str(r): {str(w): s for w, s in t.items()} for r, t in self.verify_table.items()},
                 "draft": {str(r): s for r, s in self.draft_table.items()},
                 "remeasured": self.remeasures, "final": self.settled or self.remeasures >= REMEASURES}
+
+    def adopt(self, table: dict) -> None:
+        """Take the seconds of a `table()` (one `load` read) as if measured here: rows it holds are not measured
+        again, unless steps disagree with them (`remeasure`)."""
+        self.verify_table, self.draft_table = seconds(table)
+
+
+def seconds(table: dict) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """A `table()`'s seconds: (verification forwards' by rows and width, drafting's by rows)."""
+    return ({int(r): {int(w): float(s) for w, s in t.items()} for r, t in table["verify"].items()},
+            {int(r): float(s) for r, s in table["draft"].items()})
 
 
 class StepClock:
@@ -255,15 +275,79 @@ def running(ratio: float, observed: float) -> float:
 
 # the tables measured in this process: per model, per (draft source, its shape, threads)
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOADED: dict[str, dict] = {}  # name -> table(), read by `load`: taken by the first MeasuredCosts of that name
+
+
+def where(model) -> tuple:
+    """What a table holds for beside its forwards: torch's thread count, the model's dtype and device (a GPU by its
+    name: `machine` names the CPU)."""
+    device = model.device
+    named = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return torch.get_num_threads(), str(model.dtype), named
+
+
+def cost_name(model, drafter, **forwards) -> str:
+    """A MeasuredCosts' name, the same in every process for the same forwards: the architectures of `model` and
+    `drafter` (every config field that can change a forward: not the weights, which cost the same whatever they
+    hold), what `forwards` says of their shapes, and `where`."""
+    def architecture(m):
+        return None if m is None else hashlib.blake2b(json.dumps(forward_config(m.config), sort_keys=True).encode(),
+                                                      digest_size=8).hexdigest()
+
+    return json.dumps({"model": architecture(model), "drafter": architecture(drafter), **forwards,
+                       "where": where(model)}, sort_keys=True)
 
 
 def kept_costs(model, key: tuple, make: Callable[[], MeasuredCosts]) -> MeasuredCosts:
-    """The MeasuredCosts kept for `model` under `key` (with the thread count and dtype), made on first use."""
+    """The MeasuredCosts kept for `model` under `key` (with `where`), made on first use, with the table `load` read
+    for its name if there is one."""
     tables = _KEPT.setdefault(model, {})
-    full = (*key, torch.get_num_threads(), str(model.dtype), str(model.device))
+    full = (*key, *where(model))
     if full not in tables:
-        tables[full] = make()
+        costs = tables[full] = make()
+        if costs.name in _LOADED:
+            costs.adopt(_LOADED[costs.name])
     return tables[full]
+
+
+def kept_tables() -> dict[str, dict]:
+    """Every table this process measured or loaded, by name (what `save` writes)."""
+    tables = dict(_LOADED)
+    for kept in list(_KEPT.values()):
+        tables.update({costs.name: {part: costs.table()[part] for part in ("verify", "draft")}
+                       for costs in kept.values() if costs.name and costs.verify_table})
+    return tables
+
+
+def save(path: str | Path) -> None:
+    """Write every table this process measured or loaded (JSON, replaced whole: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tables = [{"name": json.loads(name), **table} for name, table in sorted(kept_tables().items())]
+    scratch.write_text(json.dumps({"machine": machine(), "tables": tables}, indent=1) + "\n")
+    scratch.replace(path)
+
+
+def load(path: str | Path) -> None:
+    """Take the tables `save` wrote in `path`: a model that verifies with the same forwards measures nothing (rows
+    a table lacks are measured as usual). A file made on another machine, torch or kernel build is refused."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        made_on = saved["machine"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a file of r2lm verification costs: {e}") from e
+    if made_on != machine():
+        raise ValueError(f"{path} holds verification costs measured on another machine, torch or kernel build "
+                         f"({made_on}; this one is {machine()}): measure them here instead")
+    try:
+        tables = {json.dumps(t["name"], sort_keys=True): {"verify": t["verify"], "draft": t["draft"]}
+                  for t in saved["tables"]}
+        for table in tables.values():  # numbers where numbers are due, before any is taken
+            seconds(table)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a file of r2lm verification costs: {e}") from e
+    _LOADED.update(tables)
 
 
 def measured_tables(model) -> dict:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from r2lm.cache import KVCache
-from r2lm.generation.costs import MeasuredCosts, kept_costs
+from r2lm.generation.costs import MeasuredCosts, cost_name, kept_costs
 from r2lm.generation.lookup import RowTexts
 from r2lm.generation.policy import Policy
 from r2lm.generation.proposal import Proposal
@@ -160,17 +160,19 @@ class Drafts(ABC):
         widths = list(range(1, widest + 1)) if len(self.widths) > 2 else list(self.widths)
         drafter = getattr(self, "drafter", None)
         models = (s.model,) if drafter is None else (s.model, drafter)  # whose product orders must settle first
+        name = cost_name(s.model, drafter, drafts=type(self).__name__, block_size=s.b, capture=self.capture,
+                         outcomes=getattr(self, "outcomes", []), widths=widths, compile=s.r.caching.compile)
         costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, widths, self.timed_drafting, s.device,
-                                                               models))
+                                                               models, name))
         costs.measure(s.batch)
         return costs
 
     @property
     def key(self) -> tuple:
         """What its costs and its acceptance are kept for, beside the model: the kind of forward, the draft length,
-        the drafter and the n-gram table (another drafter or table accepts differently)."""
+        the drafter and the n-gram table (another drafter or table accepts differently), whether it is compiled."""
         return (type(self).__name__, self.state.b, self.capture, tuple(getattr(self, "outcomes", ())),
-                id(getattr(self, "drafter", None)), id(self.verifying.ngram))
+                id(getattr(self, "drafter", None)), id(self.verifying.ngram), self.state.r.caching.compile)
 
     def proposal(self, draft: torch.Tensor, confidence: torch.Tensor, source: str, siblings: torch.Tensor | None = None,
                  sibling_confidence: torch.Tensor | None = None) -> Proposal:

@@ -177,7 +177,8 @@ def test_bad_input_is_named(checkpoint, tmp_path, capsys):
 
 def test_the_products_are_plain_or_kept_decisions(checkpoint, tmp_path, capsys):
     """--plain-products decodes as the plain model does, bit for bit; --linear-decisions FILE measures the product
-    orders once and saves them, a later run loads them (the same text), and a file made elsewhere is refused."""
+    orders once and saves them, a later run loads them (the same text) and adds the orders it had to decide, and a
+    file made elsewhere is refused."""
     code, out, _ = run([checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--plain-products"], capsys)
     texts, _ = expected(checkpoint, PROMPTS)
     assert code == 0 and out.splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
@@ -187,9 +188,42 @@ def test_the_products_are_plain_or_kept_decisions(checkpoint, tmp_path, capsys):
     assert first[0] == 0 and saved["decisions"]  # its classes were decided while it decoded
     assert run([checkpoint, "--prompt", PROMPTS[0], "--linear-decisions", path], capsys)[:2] == first[:2]
     assert json.loads(path.read_text()) == saved  # loaded, not measured again
+    assert run([checkpoint, "--prompt", PROMPTS[0], "--verify", "--verify-draft", "lookup", "--linear-decisions", path],
+               capsys)[0] == 0  # wider forwards: row counts the file lacks, decided and added to it
+    def orders(decisions):
+        return {(d["rows"], *d["weight"], d["threads"], d["order"]) for d in decisions}
+
+    assert orders(json.loads(path.read_text())["decisions"]) > orders(saved["decisions"])
     path.write_text(json.dumps({**saved, "machine": "another"}))
     code, out, err = run([checkpoint, "--prompt", PROMPTS[0], "--linear-decisions", path], capsys)
     assert code == 2 and "made on another machine, torch or kernel build" in err and out == ""
+
+
+def test_verify_costs_are_measured_once_and_kept(checkpoint, tmp_path, capsys, monkeypatch):
+    """--verify-costs FILE: the first verified run measures what its forwards cost and saves it, the next run (a new
+    model object, as in a new process) loads it, measures nothing and prints the same text; a file made elsewhere
+    is refused, and so is the flag without verified decoding."""
+    from r2lm.generation import costs
+
+    monkeypatch.setattr(costs, "_LOADED", {})  # this test's process: no other test's file
+    path = tmp_path / "costs.json"
+    args = [checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--verify", "--verify-draft", "lookup",
+            "--verify-costs", path]
+    first = run(args, capsys)
+    saved = json.loads(path.read_text())
+    texts, _ = expected(checkpoint, PROMPTS, verify=True, verify_draft="lookup")
+    assert first[0] == 0 and first[1].splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
+    assert saved["tables"] and all(set(t["verify"]) == {"1", "2"} for t in saved["tables"])  # one row, the batch's
+    monkeypatch.setattr(costs.MeasuredCosts, "time_forwards", lambda self, rows: pytest.fail("measured again"))
+    monkeypatch.setattr(costs.MeasuredCosts, "remeasure", lambda self, rows, disagreement: False)  # (steps' own asks)
+    assert run(args, capsys)[:2] == first[:2]
+    assert json.loads(path.read_text()) == saved
+    path.write_text(json.dumps({**saved, "machine": "another"}))
+    code, out, err = run(args, capsys)
+    assert code == 2 and "measured on another machine, torch or kernel build" in err and out == ""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(checkpoint), "--prompt", "x", "--verify-costs", str(path)])
+    assert exit_.value.code == 2 and "--verify-costs keeps what verified decoding measures" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
@@ -233,8 +267,8 @@ def test_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--prompt", "--chat", "--block-size", "--threshold", "--factor", "--steps", "--confidence",
                    "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens", "--stop", "--no-cache",
-                   "--compile", "--verify", "--verify-draft", "--verify-windows", "--verify-siblings", "--linear-decisions",
-                   "--plain-products", "generation_config.json"):
+                   "--compile", "--verify", "--verify-draft", "--verify-windows", "--verify-siblings", "--verify-costs",
+                   "--linear-decisions", "--plain-products", "generation_config.json"):
         assert option in result.stdout, option
 
 
