@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
           f"same state), {args.max_new_tokens} tokens, {label(results['machine'])}")
     for batch, cell in results["batches"].items():
         names = list(cell["seconds"][STATES[0]])
-        print(f"\nbatch {batch}" + "".join(f"{n:>24}" for n in names))
+        print(f"\n{'batch ' + batch:<20}" + "".join(f"{n:>24}" for n in names))
         for state in STATES:
             print(f"{state:<20}" + "".join(f"{cell['seconds'][state][n]:>10.2f} s ({cell['x_ar'][state][n]:.2f}x)"
                                            .rjust(24) for n in names))

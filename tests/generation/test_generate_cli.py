@@ -203,9 +203,12 @@ def test_verify_costs_are_measured_once_and_kept(checkpoint, tmp_path, capsys, m
     """--verify-costs FILE: the first verified run measures what its forwards cost and saves it, the next run (a new
     model object, as in a new process) loads it, measures nothing and prints the same text; a file made elsewhere
     is refused, and so is the flag without verified decoding."""
+    import weakref
+
     from r2lm.generation import costs
 
-    monkeypatch.setattr(costs, "_LOADED", {})  # this test's process: no other test's file
+    monkeypatch.setattr(costs, "_LOADED", {})  # this test's process: no other test's file or tables
+    monkeypatch.setattr(costs, "_KEPT", weakref.WeakKeyDictionary())
     path = tmp_path / "costs.json"
     args = [checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--verify", "--verify-draft", "lookup",
             "--verify-costs", path]
