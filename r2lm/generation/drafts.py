@@ -69,12 +69,12 @@ def drafted_outcomes(b: int, windows: int | None) -> list[int]:
 
 
 def scratch_reader(model, rows: int, context: int, room: int) -> WindowReader:
-    """A reader over a cache of `rows` rows holding `context` tokens (for timing forwards: never the call's own)."""
+    """A reader over a cache of `rows` rows holding `context` columns (for timing forwards: never the call's own).
+    Their keys and values are zeros, not a prompt's: what a forward costs does not depend on the values it attends
+    to, and a prompt's forward over rows x context tokens per width measured took half the measurement."""
     cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
-    reader = WindowReader(model, cache)
-    reader.read(torch.zeros(rows, context, dtype=torch.long, device=model.device), context,
-                keep=slice(context - 1, context))
-    return reader
+    cache.advance(context)
+    return WindowReader(model, cache)
 
 
 class Drafts(ABC):
