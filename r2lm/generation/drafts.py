@@ -71,7 +71,7 @@ def drafted_outcomes(b: int, windows: int | None) -> list[int]:
 def scratch_reader(model, rows: int, context: int, room: int) -> WindowReader:
     """A reader over a cache of `rows` rows holding `context` columns (for timing forwards: never the call's own).
     Their keys and values are zeros, not a prompt's: what a forward costs does not depend on the values it attends
-    to, and a prompt's forward over rows x context tokens per width measured took half the measurement."""
+    to, and a prompt's forward for every width measured took half of a measurement's time."""
     cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
     cache.advance(context)
     return WindowReader(model, cache)
@@ -160,10 +160,13 @@ class Drafts(ABC):
         widths = list(range(1, widest + 1)) if len(self.widths) > 2 else list(self.widths)
         drafter = getattr(self, "drafter", None)
         models = (s.model,) if drafter is None else (s.model, drafter)  # whose product orders must settle first
-        name = cost_name(s.model, drafter, drafts=type(self).__name__, block_size=s.b, capture=self.capture,
-                         outcomes=getattr(self, "outcomes", []), widths=widths, compile=s.r.caching.compile)
-        costs = kept_costs(s.model, self.key, lambda: MeasuredCosts(forward, widths, self.timed_drafting, s.device,
-                                                               models, name))
+
+        def make():  # (its name read once per table: a config's digest is not free)
+            name = cost_name(s.model, drafter, drafts=type(self).__name__, block_size=s.b, capture=self.capture,
+                             outcomes=getattr(self, "outcomes", []), widths=widths, compile=s.r.caching.compile)
+            return MeasuredCosts(forward, widths, self.timed_drafting, s.device, models, name)
+
+        costs = kept_costs(s.model, self.key, make)
         costs.measure(s.batch)
         return costs
 
