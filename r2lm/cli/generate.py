@@ -97,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep what the verification forwards cost on this machine (r2lm.generation.costs, what "
                              "the adaptive policy weighs) in FILE: loaded when it exists (refused if made on another "
                              "machine or torch), and saved there when this run measured costs it lacked, so later "
-                             "runs skip the measurement that makes a first verified call slow (seconds to tens of "
-                             "seconds on a CPU)")
+                             "runs skip the measurement that makes a first verified call slow (seconds on a CPU)")
     return parser
 
 
