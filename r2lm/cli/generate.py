@@ -214,6 +214,9 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
     sys.stdout.flush()
     print(f"[{out.new_tokens} tokens in {seconds:.2f} s: {out.nfe} forwards, {out.tokens_per_step:.2f} tokens per "
           f"denoising step, {out.new_tokens / seconds:.1f} tokens/s]", file=sys.stderr)
+    if args.verify_costs is None and costs.spent() > 0:
+        print(f"[{costs.spent():.2f} s of it measured what verification forwards cost on this machine: --verify-costs "
+              "FILE keeps that for later runs, --linear-decisions FILE the product orders]", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -136,9 +136,11 @@ class MeasuredCosts(StepCosts):
         self.verify_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds
         self.draft_table: dict[int, float] = {}  # rows -> seconds
         self.remeasures, self.settled = 0, False
+        self.spent = 0.0  # seconds its measurements took in this process
 
     def measure(self, rows: int) -> None:
         """Time the forwards at `rows` rows (and at one row), unless done before."""
+        start = time.perf_counter()
         for r in sorted({1, rows}):
             if r in self.verify_table:
                 continue
@@ -146,6 +148,7 @@ class MeasuredCosts(StepCosts):
                 self.verify_table[r], self.draft_table[r] = self.time_forwards(r)
                 if plausible(self.verify_table[r]):
                     break
+        self.spent += time.perf_counter() - start
 
     def time_forwards(self, rows: int) -> tuple[dict[int, float], float]:
         """The median seconds of each width's forward and of drafting at `rows` rows."""
@@ -319,6 +322,11 @@ def kept_tables() -> dict[str, dict]:
                 table = costs.table()
                 tables[costs.name] = {"verify": table["verify"], "draft": table["draft"]}
     return tables
+
+
+def spent() -> float:
+    """Seconds this process spent measuring costs (what `save` / `load` spare the next one)."""
+    return sum(costs.spent for kept in list(_KEPT.values()) for costs in kept.values())
 
 
 def save(path: str | Path) -> None:

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -201,8 +202,9 @@ def test_the_products_are_plain_or_kept_decisions(checkpoint, tmp_path, capsys):
 
 def test_verify_costs_are_measured_once_and_kept(checkpoint, tmp_path, capsys, monkeypatch):
     """--verify-costs FILE: the first verified run measures what its forwards cost and saves it, the next run (a new
-    model object, as in a new process) loads it, measures nothing and prints the same text; a file made elsewhere
-    is refused, and so is the flag without verified decoding."""
+    model object, as in a new process) loads it, measures nothing and prints the same text; a run without it says
+    how long it measured and what keeps that; a file made elsewhere is refused, and so is the flag without verified
+    decoding."""
     import weakref
 
     from r2lm.generation import costs
@@ -212,7 +214,11 @@ def test_verify_costs_are_measured_once_and_kept(checkpoint, tmp_path, capsys, m
     path = tmp_path / "costs.json"
     args = [checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--verify", "--verify-draft", "lookup",
             "--verify-costs", path]
+    code, _, err = run(args[:-2], capsys)  # without the file: the run says what measuring took, and how to keep it
+    assert code == 0 and re.search(r"\[\d+\.\d\d s of it measured what verification forwards cost on this machine: "
+                                   r"--verify-costs FILE keeps that", err.splitlines()[-1])
     first = run(args, capsys)
+    assert "--verify-costs FILE keeps" not in first[2]
     saved = json.loads(path.read_text())
     texts, _ = expected(checkpoint, PROMPTS, verify=True, verify_draft="lookup")
     assert first[0] == 0 and first[1].splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
