@@ -199,6 +199,7 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
             install(options["drafter"], tuner)
         decided = tuner.decisions()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(args.prompt) == 1 else None
+    measuring = costs.spent()
     start = time.perf_counter()
     out = model.generate(batch.input_ids.to(device), batch.attention_mask.to(device), return_dict_in_generate=True,
                          tokenizer=tokenizer, streamer=streamer, **options)
@@ -214,8 +215,9 @@ def generate(args: argparse.Namespace, device: torch.device) -> None:
     sys.stdout.flush()
     print(f"[{out.new_tokens} tokens in {seconds:.2f} s: {out.nfe} forwards, {out.tokens_per_step:.2f} tokens per "
           f"denoising step, {out.new_tokens / seconds:.1f} tokens/s]", file=sys.stderr)
-    if args.verify_costs is None and costs.spent() > 0:
-        print(f"[{costs.spent():.2f} s of it measured what verification forwards cost on this machine: --verify-costs "
+    measuring = costs.spent() - measuring
+    if args.verify_costs is None and measuring > 0:
+        print(f"[{measuring:.2f} s of it measured what verification forwards cost on this machine: --verify-costs "
               "FILE keeps that for later runs, --linear-decisions FILE the product orders]", file=sys.stderr)
 
 

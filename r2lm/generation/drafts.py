@@ -45,7 +45,6 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from r2lm.cache import KVCache
 from r2lm.generation.costs import MeasuredCosts, cost_name, kept_costs
 from r2lm.generation.lookup import RowTexts
 from r2lm.generation.policy import Policy
@@ -66,15 +65,6 @@ def drafted_outcomes(b: int, windows: int | None) -> list[int]:
     if windows is None or windows > b:
         return list(range(b + 1))
     return [*range(windows - 1), b - 1]
-
-
-def scratch_reader(model, rows: int, context: int, room: int) -> WindowReader:
-    """A reader over a cache of `rows` rows holding `context` columns (for timing forwards: never the call's own).
-    Their keys and values are zeros, not a prompt's: what a forward costs does not depend on the values it attends
-    to, and a prompt's forward for every width measured took half of a measurement's time."""
-    cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
-    cache.advance(context)
-    return WindowReader(model, cache)
 
 
 class Drafts(ABC):
@@ -154,7 +144,7 @@ class Drafts(ABC):
         room = self.room(self.verifying)
 
         def forward(rows: int, width: int):
-            return self.timed_forward(scratch_reader(s.model, rows, context, room), width)
+            return self.timed_forward(WindowReader.scratch(s.model, rows, context, room), width)
 
         widest = max(self.widths) + self.siblings  # a forward of width w and k siblings reads w + k columns
         widths = list(range(1, widest + 1)) if len(self.widths) > 2 else list(self.widths)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from r2lm.cache import KVCache
 from r2lm.layout import Layout, cached_keys_seen
 from r2lm.plan import ForwardPlan, kept_plan
 
@@ -85,6 +86,16 @@ class WindowReader:
         self.shapes: dict = {}  # (width, commit) or a caller's template Layout -> _Shape
         self.forwards = 0
         self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
+
+    @classmethod
+    def scratch(cls, model, rows: int, context: int, room: int) -> WindowReader:
+        """A reader over a cache of `rows` rows holding `context` columns and room for `room` more (for timing
+        forwards: r2lm.generation.costs). Their keys and values are zeros, not a prompt's: what a forward costs does
+        not depend on the values it attends to, and a prompt's forward for every width measured took half of a
+        measurement's time."""
+        cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
+        cache.advance(context)
+        return cls(model, cache)
 
     def read(self, ids: torch.Tensor, commit: int, keep: slice, advance: bool = True,
              layout: Layout | None = None, head: bool = True, capture: tuple[int, ...] = ()):
