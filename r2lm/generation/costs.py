@@ -6,9 +6,9 @@ No machine's constants: `MeasuredCosts` times the forwards themselves, the first
 source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a
 scratch cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
 a r2lm.ops.linear tuner keeps its decisions; `save` / `load` keep the tables across processes (a file made on another
-machine, torch or kernel build is refused), so that a new process does not pay the measurement again (seconds at
-batch 1, ten at batch 8 on a 2-core CPU, in the first verified call). Every width, not a few to interpolate between: a
-width's cost need not lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward width's own cost"), and
+machine, torch or kernel build is refused), so that a new process does not pay the measurement again in its first
+verified call (docs/results.md, "A first call, kept across processes"). Every width, not a few to interpolate
+between: a width's cost need not lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward width's own cost"), and
 timing it settles those orders before a step would (a tuner times a new shape class inside the first forwards that
 use it). Row counts between the measured ones (the call's and one) are
 interpolated linearly: a forward's cost is close to affine in its rows. The measurement never touches the call's cache,

@@ -91,8 +91,7 @@ class WindowReader:
     def scratch(cls, model, rows: int, context: int, room: int) -> WindowReader:
         """A reader over a cache of `rows` rows holding `context` columns and room for `room` more (for timing
         forwards: r2lm.generation.costs). Their keys and values are zeros, not a prompt's: what a forward costs does
-        not depend on the values it attends to, and a prompt's forward for every width measured took half of a
-        measurement's time."""
+        not depend on the values it attends to, so no forward need write them (one per width measured did)."""
         cache = KVCache(model.config, rows, context + room, model.dtype, model.device)
         cache.advance(context)
         return cls(model, cache)
