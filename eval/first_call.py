@@ -5,17 +5,17 @@ kept (`--linear-decisions`), side by side in one run.
     python -m eval.first_call --checkpoint TARGET [--batch-sizes 1 8] [--max-new-tokens 64] [--runs 2]
         [--out docs/results]
 
-A verified call decides every step from what its forwards cost on this machine (r2lm.generation.costs): the first
-one in a process measures every width the policy may take, and an r2lm.ops.linear tuner times the product orders of
-every row count those widths multiply. A user who runs the CLI once per request pays both every time unless the
-files keep them. Decoders: AR (`--block-size 1`), prompt lookup (`--verify --verify-draft lookup --block-size 8`),
-and the drafter r2lm ships for the checkpoint's model with lookup beside it (`--drafter`), where one ships. Each
-batch size's files are made by untimed processes first (one per decoder, in turn, into the same two files). Each
-cell: the generate call's seconds as r2lm-generate prints them (not the process's start or the model's load), the
-median over --runs processes; × AR: AR's seconds in the same state over the cell's (AR keeps no costs: in the first
-two states it runs the same flags, twice measured). The prompts: the chat demo's, through the chat template, cycled to the batch size;
-every decoder's text is compared with AR's. Prints a table with the machine, writes first_call.json and
-first_call.png to --out.
+A verified call decides every step from what its forwards cost on this machine (r2lm.generation.costs): the first one
+in a process measures every width the policy may take, and an r2lm.ops.linear tuner times the product orders of every
+row count those widths multiply. A user who runs the CLI once per request pays both every time unless the files keep
+them. Decoders: AR (`--block-size 1`), prompt lookup (`--verify --verify-draft lookup --block-size 8`), and the
+drafter r2lm ships for the checkpoint's model with lookup beside it (`--drafter`), where one ships. Each batch size's
+files are made by untimed processes first (one per decoder, in turn, into the same two files). Each cell: the generate
+call's seconds as r2lm-generate prints them (not the process's start or the model's load), the median over --runs
+processes; × AR: AR's seconds in the same state over the cell's (AR keeps no costs: in the first two states it runs
+the same flags, twice measured). The prompts: the chat demo's, through the chat template, cycled to the batch size;
+every decoder's text is compared with AR's. Prints a table with the machine, writes first_call.json and first_call.png
+to --out.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def main(argv=None) -> dict:
         for state in STATES:
             print(f"{state:<20}" + "".join(f"{cell['seconds'][state][n]:>10.2f} s ({cell['x_ar'][state][n]:.2f}x)"
                                            .rjust(24) for n in names))
-        print("same text as AR: " + ", ".join(f"{n} {'yes' if same else 'NO'}" for n, same in cell["same_text"].items()))
+        same = cell["same_text"].items()
+        print("same text as AR: " + ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in same))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "first_call.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "first_call.png")

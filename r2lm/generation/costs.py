@@ -3,16 +3,16 @@ width, and of drafting (a drafter's forward and append) by its rows (r2lm.genera
 expected acceptance).
 
 No machine's constants: `MeasuredCosts` times the forwards themselves, the first time a model decodes with a draft
-source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a
-scratch cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as
-a r2lm.ops.linear tuner keeps its decisions; `save` / `load` keep the tables across processes (a file made on another
+source at a batch size (a few forwards of every width a step may take, at the call's rows and at one row, on a scratch
+cache of the call's prompt length, interleaved, the median of each), and keeps the table for the process, as a
+r2lm.ops.linear tuner keeps its decisions; `save` / `load` keep the tables across processes (a file made on another
 machine, torch or kernel build is refused), so that a new process does not pay the measurement again in its first
-verified call (docs/results.md, "A first call, kept across processes"). Every width, not a few to interpolate
-between: a width's cost need not lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward width's own cost"), and
-timing it settles those orders before a step would (a tuner times a new shape class inside the first forwards that
-use it). Row counts between the measured ones (the call's and one) are
-interpolated linearly: a forward's cost is close to affine in its rows. The measurement never touches the call's cache,
-so it changes no output: what verified decoding commits is the target's greedy text whatever the costs are.
+verified call (docs/results.md, "A first call, kept across processes"). Every width, not a few to interpolate between:
+a width's cost need not lie on its neighbours' line (its products' orders are its own: docs/results.md, "A forward
+width's own cost"), and timing it settles those orders before a step would (a tuner times a new shape class inside the
+first forwards that use it). Row counts between the measured ones (the call's and one) are interpolated linearly: a
+forward's cost is close to affine in its rows. The measurement never touches the call's cache, so it changes no
+output: what verified decoding commits is the target's greedy text whatever the costs are.
 
 A measurement can meet a passing load (another process's seconds on a shared core): kept for the process, it would
 misprice every step after it. So a table whose wider forwards came out cheaper than narrower ones (more columns

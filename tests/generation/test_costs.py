@@ -40,7 +40,8 @@ def verified(target, drafter):
 
 def seconds_by_name(model) -> dict:
     """The tables kept for `model`, by their names: what a file holds of them."""
-    return {kept.name: {part: kept.table()[part] for part in ("verify", "draft")} for kept in costs._KEPT[model].values()}
+    return {kept.name: {part: kept.table()[part] for part in ("verify", "draft")}
+            for kept in costs._KEPT[model].values()}
 
 
 def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tmp_path, monkeypatch):
@@ -55,7 +56,8 @@ def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tm
     saved = json.loads(path.read_text())
     assert not list(tmp_path.glob(".*.tmp"))  # written whole, under its name
     ours = seconds_by_name(first_target)
-    in_file = {json.dumps(t["name"], sort_keys=True): {"verify": t["verify"], "draft": t["draft"]} for t in saved["tables"]}
+    in_file = {json.dumps(t["name"], sort_keys=True): {"verify": t["verify"], "draft": t["draft"]}
+               for t in saved["tables"]}
     assert ours and ours.items() <= in_file.items()
 
     def refuse(self, rows):
