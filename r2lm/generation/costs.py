@@ -205,9 +205,12 @@ class MeasuredCosts(StepCosts):
                 "remeasured": self.remeasures, "final": self.settled or self.remeasures >= REMEASURES}
 
     def adopt(self, table: dict) -> None:
-        """Take the seconds of a `table()` (one `load` read) as if measured here: rows it holds are not measured
-        again, unless steps disagree with them (`remeasure`)."""
+        """Take a `table()` (one `load` read) as if measured here: rows it holds are not measured again, unless steps
+        disagree with them (`remeasure`), and not at all where steps had it measured as often as that helps
+        ("final": a process's steps that differ from its forwards for a real reason, a fixed host cost, differ in the
+        next process too)."""
         self.verify_table, self.draft_table = seconds(table)
+        self.settled = bool(table["final"])
 
 
 def seconds(table: dict) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
@@ -279,6 +282,7 @@ def running(ratio: float, observed: float) -> float:
 # the tables measured in this process: per model, per (draft source, its shape, threads)
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOADED: dict[str, dict] = {}  # name -> table(), read by `load`: taken by the first MeasuredCosts of that name
+SAVED = ("verify", "draft", "final")  # what a file keeps of a table()
 
 
 def where(model) -> tuple:
@@ -320,7 +324,7 @@ def kept_tables() -> dict[str, dict]:
         for costs in kept.values():
             if costs.name and costs.verify_table:
                 table = costs.table()
-                tables[costs.name] = {"verify": table["verify"], "draft": table["draft"]}
+                tables[costs.name] = {part: table[part] for part in SAVED}
     return tables
 
 
@@ -351,10 +355,11 @@ def load(path: str | Path) -> None:
         raise ValueError(f"{path} holds verification costs measured on another machine, torch or kernel build "
                          f"({made_on}; this one is {machine()}): measure them here instead")
     try:
-        tables = {json.dumps(t["name"], sort_keys=True): {"verify": t["verify"], "draft": t["draft"]}
-                  for t in saved["tables"]}
+        tables = {json.dumps(t["name"], sort_keys=True): {part: t[part] for part in SAVED} for t in saved["tables"]}
         for table in tables.values():  # numbers where numbers are due, before any is taken
             seconds(table)
+            if not isinstance(table["final"], bool):
+                raise ValueError(f"'final' is {table['final']!r}, not true or false")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a file of r2lm verification costs: {e}") from e
     _LOADED.update(tables)

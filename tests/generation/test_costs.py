@@ -40,8 +40,7 @@ def verified(target, drafter):
 
 def seconds_by_name(model) -> dict:
     """The tables kept for `model`, by their names: what a file holds of them."""
-    return {kept.name: {part: kept.table()[part] for part in ("verify", "draft")}
-            for kept in costs._KEPT[model].values()}
+    return {kept.name: {part: kept.table()[part] for part in costs.SAVED} for kept in costs._KEPT[model].values()}
 
 
 def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tmp_path, monkeypatch):
@@ -56,8 +55,7 @@ def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tm
     saved = json.loads(path.read_text())
     assert not list(tmp_path.glob(".*.tmp"))  # written whole, under its name
     ours = seconds_by_name(first_target)
-    in_file = {json.dumps(t["name"], sort_keys=True): {"verify": t["verify"], "draft": t["draft"]}
-               for t in saved["tables"]}
+    in_file = {json.dumps(t["name"], sort_keys=True): {part: t[part] for part in costs.SAVED} for t in saved["tables"]}
     assert ours and ours.items() <= in_file.items()
 
     def refuse(self, rows):
@@ -69,6 +67,26 @@ def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tm
     monkeypatch.setattr(MeasuredCosts, "remeasure", lambda self, rows, disagreement: False)
     assert torch.equal(verified(again_target, again_drafter), before)
     assert seconds_by_name(again_target) == ours
+
+
+def test_a_table_steps_had_measured_enough_is_measured_no_more_in_the_next_process(converted, loaded, tmp_path,
+                                                                                    monkeypatch):
+    """Steps a re-measurement does not bear out (a fixed host cost beside the forwards, not a passing load) settle a
+    table; the next process takes it settled: its steps, however far from their prices, measure nothing."""
+    target, drafter = converted
+    first = copy.deepcopy(target)
+    verified(first, copy.deepcopy(drafter))
+    for kept in costs._KEPT[first].values():
+        if not kept.table()["final"]:
+            kept.remeasure(1, 1e6)  # steps a million times their price: the forwards measured again do not agree
+    assert all(kept.table()["final"] for kept in costs._KEPT[first].values())
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    costs.load(path)
+    monkeypatch.setattr(MeasuredCosts, "time_forwards", lambda self, rows: pytest.fail("measured again"))
+    again = copy.deepcopy(target)
+    verified(again, copy.deepcopy(drafter))
+    assert costs._KEPT[again] and all(kept.table()["final"] for kept in costs._KEPT[again].values())
 
 
 def test_a_table_is_named_by_the_forwards_it_times_not_the_weights(converted):
@@ -97,11 +115,12 @@ def test_a_file_from_elsewhere_or_not_of_costs_is_refused_by_name(converted, loa
     path.write_text(json.dumps({**saved, "machine": "another"}))
     with pytest.raises(ValueError, match="measured on another machine, torch or kernel build"):
         costs.load(path)
-    broken = copy.deepcopy(saved)
-    broken["tables"].append({**broken["tables"][0], "name": {"model": "x"}, "verify": {"1": {"1": "slow"}}})
-    path.write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match="is not a file of r2lm verification costs"):
-        costs.load(path)
+    for damage in ({"verify": {"1": {"1": "slow"}}}, {"final": "yes"}):
+        broken = copy.deepcopy(saved)
+        broken["tables"].append({**broken["tables"][0], "name": {"model": "x"}, **damage})
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="is not a file of r2lm verification costs"):
+            costs.load(path)
     for text in ("{", json.dumps({"machine": saved["machine"]})):
         path.write_text(text)
         with pytest.raises(ValueError, match="is not a file of r2lm verification costs"):
