@@ -17,7 +17,8 @@ output: what verified decoding commits is the target's greedy text whatever the 
 A measurement can meet a passing load (another process's seconds on a shared core): kept for the process, it would
 misprice every step after it. So a table whose wider forwards came out cheaper than narrower ones (more columns
 never cost less, beyond noise) is measured again at once, and the policy asks for a new measurement when the steps
-themselves disagree with their prices (`StepClock`, `remeasure`).
+themselves disagree with their prices (`StepClock`, `remeasure`), while re-measuring stays a small share of what the
+steps took (REMEASURE_BUDGET: under a load that lasts, a measurement is slowed too, and it runs inside a call).
 
 A step is also more than the forwards timed on a scratch cache (the drafter's context caught up, the step's host
 work), and a forward width can cost more than its measured neighbours suggest (its products in orders of its own):
@@ -50,6 +51,9 @@ SETTLE = 40  # at most this many untimed forwards per shape: a model's tuner tim
 SLACK = 0.8  # a wider forward timed below this share of a narrower one's cost: the timing met a load, measure again
 RETRIES = 2  # at most this many immediate re-measurements of an implausible table
 REMEASURES = 3  # at most this many re-measurements a policy may ask of a table
+# re-measuring takes at most this share of the time steps took: a measurement is many forwards, and steps that ask for
+# one because a load slows them would have it slowed as much, inside a user's call
+REMEASURE_BUDGET = 0.05
 CLOCK_DECAY = 0.8  # per step: the running ratios of a step's wall time to its price
 CLOCK_RANGE = (0.5, 4.0)  # what those ratios may reach (one slow step, a page fault, must not decide alone)
 DISAGREE = 2.0  # steps this many times slower or faster than their price: the forwards are measured again
@@ -67,9 +71,9 @@ class StepCosts(ABC):
         """What drafting adds to a step over `rows` rows: the drafter's forward and the append of the step's
         committed column to its context (0 for a source that drafts without a forward of its own)."""
 
-    def remeasure(self, rows: int, disagreement: float) -> bool:
-        """Time the forwards at `rows` rows again, where steps took `disagreement` times their price; whether it
-        did (costs that are said, not measured, are never measured again)."""
+    def remeasure(self, rows: int, disagreement: float, decoded: float) -> bool:
+        """Time the forwards at `rows` rows again, where steps took `disagreement` times their price and `decoded`
+        seconds in all; whether it did (costs that are said, not measured, are never measured again)."""
         return False
 
     def timings(self) -> int:
@@ -137,6 +141,7 @@ class MeasuredCosts(StepCosts):
         self.draft_table: dict[int, float] = {}  # rows -> seconds
         self.remeasures, self.settled = 0, False
         self.spent = 0.0  # seconds its measurements took in this process
+        self.remeasuring = 0.0  # of which re-measurements
 
     def measure(self, rows: int) -> None:
         """Time the forwards at `rows` rows (and at one row), unless done before."""
@@ -169,19 +174,27 @@ class MeasuredCosts(StepCosts):
         return ({w: statistics.median(times[w]) for w in self.widths},
                 statistics.median(times["draft"]) if "draft" in times else 0.0)
 
-    def remeasure(self, rows: int, disagreement: float) -> bool:
+    def remeasure(self, rows: int, disagreement: float, decoded: float) -> bool:
         """Time `rows`' forwards (and one row's) again: steps took `disagreement` (more than DISAGREE, or less than
         its inverse) times their price, as after a measurement that met a passing load. At most REMEASURES times,
-        and never again once a new measurement moved less than half the way the steps pointed (steps that really
-        differ from their forwards, a fixed host cost beside a fast device or a tiny model, are not a measurement's
-        error: measuring on would not change it)."""
+        never again once a new measurement moved less than half the way the steps pointed (steps that really differ
+        from their forwards, a fixed host cost beside a fast device or a tiny model, are not a measurement's error:
+        measuring on would not change it), and only while re-measuring, this one included, stays within
+        REMEASURE_BUDGET of the `decoded` seconds steps took: this one is expected to take its forwards' prices, as
+        slowed as the steps are."""
         if self.settled or self.remeasures >= REMEASURES:
             return False
+        sizes = {1, rows}
+        forwards = sum(sum(self.verify(r, w) for w in self.widths) + self.draft(r) for r in sizes)
+        if self.remeasuring + (1 + TRIALS) * forwards * max(disagreement, 1.0) > REMEASURE_BUDGET * decoded:
+            return False
         before = self.verify(rows, 1)
-        for r in {1, rows}:
+        for r in sizes:
             self.verify_table.pop(r, None)
             self.draft_table.pop(r, None)
+        spent = self.spent
         self.measure(rows)
+        self.remeasuring += self.spent - spent
         self.remeasures += 1
         self.settled = math.log(self.verify(rows, 1) / before) / math.log(disagreement) < 0.5
         return True
@@ -229,6 +242,7 @@ class StepClock:
         self.forward = self.drafting = 1.0
         self.columns = np.full(columns + 1, np.nan)
         self.version = 0  # steps taken into account (what prices read from it are cached by)
+        self.seconds = 0.0  # what those steps took
         self.made = (-1, None)  # (version, factors at it): read several times a step
 
     def fit(self, columns: int) -> None:
@@ -254,6 +268,7 @@ class StepClock:
         self.columns[columns] = running(self.factors()[columns], seconds / price)
         self.forward = running(self.forward, seconds / price)
         self.version += 1
+        self.seconds += seconds
         return not 1 / DISAGREE < self.forward < DISAGREE
 
     def drafting_step(self, seconds: float, price: float, columns: int, drafting: float) -> None:
@@ -261,6 +276,7 @@ class StepClock:
         `drafting`, took `seconds`."""
         self.drafting = running(self.drafting, (seconds - price * self.factors()[columns]) / drafting)
         self.version += 1
+        self.seconds += seconds
 
     def rescale(self, columns: np.ndarray, drafting: float) -> None:
         """New prices (the forwards measured again): each ratio re-expressed against them (`columns` [c] for 1 ..

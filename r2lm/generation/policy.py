@@ -20,7 +20,8 @@ So `verify_policy="adaptive"` (the default) decides at run time, from two measur
   ratio), drafting at what steps with it took beyond their forward (the drafter's context caught up, the step's
   host work: more than the drafter's forward alone; docs/results.md, "Siblings"), and where steps without the
   drafter take more than DISAGREE times or less than 1 / DISAGREE of their price, the measurement itself is in
-  doubt (it met a passing load) and the forwards are timed again (MeasuredCosts.remeasure; what steps showed is
+  doubt (it met a passing load) and the forwards are timed again, within a budget of the steps' own time
+  (MeasuredCosts.remeasure: a measurement is many forwards, as slowed as the steps; what steps showed is
   kept, re-expressed against the new prices); a step in which the model's product tuner (r2lm.ops.linear) timed a
   shape class new to it, a row count reached as rows leave, is left out: its time is the tuning's;
 
@@ -288,7 +289,8 @@ class Adaptive(Policy):
         if self.drafting:
             if price.draft > 0 and self.drafted:
                 self.clock.drafting_step(seconds, forward, columns, price.draft)
-        elif self.clock.forward_step(seconds, forward, columns) and self.costs.remeasure(rows, self.clock.forward):
+        elif (self.clock.forward_step(seconds, forward, columns)
+              and self.costs.remeasure(rows, self.clock.forward, self.clock.seconds)):
             self.prices.clear()  # the new table's prices, and what steps showed re-expressed against them
             self.clocked.clear()
             self.verdicts = {}

@@ -5,6 +5,7 @@ by name and nothing of it is taken."""
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_saved_costs_spare_another_process_the_measurement(converted, loaded, tm
     again_target, again_drafter = copy.deepcopy(target), copy.deepcopy(drafter)
     costs.load(path)
     monkeypatch.setattr(MeasuredCosts, "time_forwards", refuse)
-    monkeypatch.setattr(MeasuredCosts, "remeasure", lambda self, rows, disagreement: False)
+    monkeypatch.setattr(MeasuredCosts, "remeasure", lambda self, rows, disagreement, decoded: False)
     assert torch.equal(verified(again_target, again_drafter), before)
     assert seconds_by_name(again_target) == ours
 
@@ -78,7 +79,8 @@ def test_a_table_steps_had_measured_enough_is_measured_no_more_in_the_next_proce
     verified(first, copy.deepcopy(drafter))
     for kept in costs._KEPT[first].values():
         if not kept.table()["final"]:
-            kept.remeasure(1, 1e6)  # steps a million times their price: the forwards measured again do not agree
+            # steps a million times their price, long enough to pay for it: the forwards measured again do not agree
+            kept.remeasure(1, 1e6, decoded=math.inf)
     assert all(kept.table()["final"] for kept in costs._KEPT[first].values())
     path = tmp_path / "costs.json"
     costs.save(path)

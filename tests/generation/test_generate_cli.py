@@ -224,7 +224,7 @@ def test_verify_costs_are_measured_once_and_kept(checkpoint, tmp_path, capsys, m
     assert first[0] == 0 and first[1].splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts, strict=True)]
     assert saved["tables"] and all(set(t["verify"]) == {"1", "2"} for t in saved["tables"])  # one row, the batch's
     monkeypatch.setattr(costs.MeasuredCosts, "time_forwards", lambda self, rows: pytest.fail("measured again"))
-    monkeypatch.setattr(costs.MeasuredCosts, "remeasure", lambda self, rows, disagreement: False)  # (steps' own asks)
+    monkeypatch.setattr(costs.MeasuredCosts, "remeasure", lambda self, rows, disagreement, decoded: False)  # (steps' own asks)
     assert run(args, capsys)[:2] == first[:2]
     assert json.loads(path.read_text()) == saved
     path.write_text(json.dumps({**saved, "machine": "another"}))

@@ -12,8 +12,8 @@ from torch import nn
 
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
+from r2lm.generation.costs import REMEASURE_BUDGET, MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.costs import TRIALS as COST_TRIALS
-from r2lm.generation.costs import MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy
 from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
@@ -319,7 +319,8 @@ def slowed_forwards(slowed: dict):
 
 def test_a_measurement_that_met_a_passing_load_is_measured_again():
     """A cost table timed while another process held the core would misprice every step for the whole process.
-    Steps far faster than their prices make the policy time the forwards again, once; a table whose wider forward
+    Steps far faster than their prices make the policy time the forwards again, once, when they have taken long
+    enough that the measurement is a small share of their time (REMEASURE_BUDGET); a table whose wider forward
     came out cheaper than a narrower one is timed again at once; steps that stay slower than their forwards after
     a new measurement agreed with the old one (a fixed cost beside the forward) do not make it measure on."""
     nothing = Proposal(np.full((1, 4), 99), np.zeros((1, 4)), np.array([0]))
@@ -330,9 +331,13 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     assert costs.verify(1, 1) >= 0.036  # the whole first measurement met the load
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
-    for _ in range(12):  # AR steps, at what they take without the load
+    for _ in range(12):  # AR steps, at what they take without the load: too few to pay for a measurement
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.012)
+    assert costs.remeasures == 0
+    for _ in range(2000):  # enough that a measurement is within REMEASURE_BUDGET of what they took
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.012)
     assert costs.remeasures == 1 and costs.verify(1, 1) < 0.024 and not costs.settled
+    assert costs.remeasuring <= REMEASURE_BUDGET * policy.clock.seconds
     assert 0.5 < policy.clock.forward < 2 and policy.price(1).ar < 0.024  # priced at the new measurement
 
     slowed = {2: 1 + COST_TRIALS}  # only width 2's forwards met the load: 20 ms x 3 > 36 ms / 0.8
@@ -345,7 +350,7 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     steady.measure(1)
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), steady, 99)
-    for _ in range(40):  # every step three times its forward
+    for _ in range(1000):  # every step three times its forward
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=3 * steady.verify(1, 1))
     assert steady.remeasures == 1 and steady.settled
 
@@ -368,8 +373,8 @@ def test_a_step_in_which_the_tuner_timed_products_does_not_price_the_forwards():
             layer(torch.randn(rows, 64))
         policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
     assert costs.remeasures == 0 and policy.clock.forward == 1.0 and np.isnan(policy.clock.columns[1])
-    for _ in range(6):  # steps as slow, with no tuning in them: the prices are in doubt
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
+    for _ in range(300):  # steps as slow, with no tuning in them: the prices are in doubt (once steps have taken
+        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)  # long enough to pay for measuring)
     # (at least once: whether a sleep-timed measurement agrees with the last one closely enough to settle depends on
     # the machine's load, not on what is tested here)
     assert costs.remeasures >= 1

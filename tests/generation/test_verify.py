@@ -2,6 +2,8 @@
 sidecars off: transformers' greedy generate of the source checkpoint, for an R2LM converted from it with its sidecar
 gates open; and several tokens per forward once the drafter is good."""
 
+import math
+
 import pytest
 import torch
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer
@@ -393,19 +395,21 @@ def test_verify_refuses_what_it_cannot_verify():
 
 @pytest.mark.parametrize("policy", ["longest", "adaptive"])
 @pytest.mark.parametrize("options", [{}, dict(verify_windows=2), LOOKUP])
-def test_an_iteration_synchronises_with_the_host_once(options, policy):
+def test_an_iteration_synchronises_with_the_host_once(options, policy, monkeypatch):
     """Beyond the one planned read of an iteration's outcome (`tolist`, which the counter does not see, and which
     also brings the policy what it decides from), nothing in a verification iteration waits for the device: the
     counted synchronisations do not grow with the iterations (a sidecar reading several windows used to select
     their columns with a boolean mask, four per forward here)."""
     from eval.step_cost import OpCounter
+    from r2lm.generation import costs
     from r2lm.generation.costs import REMEASURES, measured_tables
 
     model = tiny_r2lm(open_gates=True, sidecar_layers=[1, 3])
     ids = torch.randint(0, MASK_ID - 1, (1, 12), generator=torch.Generator().manual_seed(0))
     options = dict(options, verify_policy=policy)
     # costs measured, and measured again while steps disagree with them (a tiny model's steps are mostly host work):
-    # a few times at most
+    # a few times at most, here as soon as the steps ask (the budget lifted: not inside the counted calls)
+    monkeypatch.setattr(costs, "REMEASURE_BUDGET", math.inf)
     for _ in range(REMEASURES + 1):
         generate(model, ids, max_new_tokens=36, block_size=4, verify=True, eos_token_id=[], **options)
         if policy == "longest" or all(table["final"] for table in measured_tables(model).values()):
