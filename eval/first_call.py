@@ -73,9 +73,8 @@ def call(checkpoint: Path, prompts: list[str], max_new_tokens: int, flags: list[
     return float(found.group(2)), done.stdout
 
 
-def batch_cells(checkpoint: Path, batch: int, max_new_tokens: int, runs: int) -> dict:
+def batch_cells(checkpoint: Path, flags: dict[str, list[str]], batch: int, max_new_tokens: int, runs: int) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    flags = decoders(checkpoint)
     cells, texts = {}, {}
     with tempfile.TemporaryDirectory(prefix="first_call_") as scratch:
         files = Path(scratch)
@@ -132,8 +131,9 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     results = {"model": name_of(args.checkpoint), "machine": describe(), "max_new_tokens": args.max_new_tokens,
                "runs": args.runs, "batches": {}}
+    flags = decoders(args.checkpoint)  # (loads the model once: whether a drafter ships for it)
     for batch in args.batch_sizes:
-        results["batches"][str(batch)] = batch_cells(args.checkpoint, batch, args.max_new_tokens, args.runs)
+        results["batches"][str(batch)] = batch_cells(args.checkpoint, flags, batch, args.max_new_tokens, args.runs)
     print(f"\nthe first call of a process (seconds of the generate call, median of {args.runs} processes; x AR in the "
           f"same state), {args.max_new_tokens} tokens, {label(results['machine'])}")
     for batch, cell in results["batches"].items():

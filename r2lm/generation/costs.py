@@ -222,11 +222,11 @@ class MeasuredCosts(StepCosts):
         disagree with them (`remeasure`), and not at all where steps had it measured as often as that helps
         ("final": a process's steps that differ from its forwards for a real reason, a fixed host cost, differ in the
         next process too)."""
-        self.verify_table, self.draft_table = seconds(table)
+        self.verify_table, self.draft_table = seconds_of(table)
         self.settled = bool(table["final"])
 
 
-def seconds(table: dict) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+def seconds_of(table: dict) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
     """A `table()`'s seconds: (verification forwards' by rows and width, drafting's by rows)."""
     return ({int(r): {int(w): float(s) for w, s in t.items()} for r, t in table["verify"].items()},
             {int(r): float(s) for r, s in table["draft"].items()})
@@ -373,7 +373,7 @@ def load(path: str | Path) -> None:
     try:
         tables = {json.dumps(t["name"], sort_keys=True): {part: t[part] for part in SAVED} for t in saved["tables"]}
         for table in tables.values():  # numbers where numbers are due, before any is taken
-            seconds(table)
+            seconds_of(table)
             if not isinstance(table["final"], bool):
                 raise ValueError(f"'final' is {table['final']!r}, not true or false")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
