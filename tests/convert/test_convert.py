@@ -253,6 +253,25 @@ def test_to_hf_drop_sidecars_exports_the_verified_forward(tmp_path):
     assert torch.equal(verified.sequences, greedy)
 
 
+
+def test_without_sidecars_shares_the_backbone_weights():
+    """The backbone alone reads `model`'s own weights (no second copy: a benchmark's AR decoding reads the bytes
+    verified decoding reads), while `model` keeps its sidecars; its block-size-1 decoding is the AR text."""
+    from r2lm import generate
+    from r2lm.convert.to_hf import without_sidecars
+
+    model = tiny_r2lm(sidecar_layers=[1], tie_word_embeddings=True).eval()
+    plain = without_sidecars(model)
+    assert plain.config.sidecar_layers == [] and plain.model.layers[1].sidecar is None
+    assert model.config.sidecar_layers == [1] and model.model.layers[1].sidecar is not None
+    weights = dict(model.named_parameters())
+    assert all(p is weights[name] for name, p in plain.named_parameters())
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    ar = generate(plain, ids, max_new_tokens=6, block_size=1, eos_token_id=[])
+    verified = generate(model, ids, max_new_tokens=6, verify=True, block_size=3, verify_draft="lookup", eos_token_id=[])
+    assert torch.equal(ar.sequences, verified.sequences)
+
 # ---------------------------------------------------------------- issue 32: GGUF files, tokenizers, generation configs
 
 
