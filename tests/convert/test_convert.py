@@ -253,7 +253,6 @@ def test_to_hf_drop_sidecars_exports_the_verified_forward(tmp_path):
     assert torch.equal(verified.sequences, greedy)
 
 
-
 def test_without_sidecars_shares_the_backbone_weights():
     """The backbone alone reads `model`'s own weights (no second copy: a benchmark's AR decoding reads the bytes
     verified decoding reads), while `model` keeps its sidecars; its block-size-1 decoding is the AR text."""
@@ -271,6 +270,7 @@ def test_without_sidecars_shares_the_backbone_weights():
     ar = generate(plain, ids, max_new_tokens=6, block_size=1, eos_token_id=[])
     verified = generate(model, ids, max_new_tokens=6, verify=True, block_size=3, verify_draft="lookup", eos_token_id=[])
     assert torch.equal(ar.sequences, verified.sequences)
+
 
 # ---------------------------------------------------------------- issue 32: GGUF files, tokenizers, generation configs
 
