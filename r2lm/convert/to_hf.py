@@ -44,9 +44,9 @@ def architecture_of(config) -> str:
 def without_sidecars(model: R2LMForDiffusionLM) -> R2LMForDiffusionLM:
     """`model` without its sidecars: the backbone alone, whose block-size-1 decoding is AR decoding (exact only
     without active sidecars). Its modules are new, its weights and buffers `model`'s own tensors, not copies (training
-    it trains `model`'s): no second copy of the weights in memory, and a benchmark's AR decoding reads the very bytes
-    verified decoding of `model` reads (a copy sits elsewhere in memory and reads at another speed: docs/results.md,
-    "AR beside verified decoding, on the same weights")."""
+    it, or moving it to another dtype or device, changes `model`'s too): no second copy of the weights in memory, and a
+    benchmark's AR decoding reads the very bytes verified decoding of `model` reads (a copy sits elsewhere in memory
+    and reads at another speed: docs/results.md, "AR beside verified decoding, on the same weights")."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     plain = copy.deepcopy(model, memo=shared)
     for layer in plain.model.layers:
