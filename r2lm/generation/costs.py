@@ -244,6 +244,9 @@ class StepClock:
         self.version = 0  # steps taken into account (what prices read from it are cached by)
         self.seconds = 0.0  # what those steps took
         self.made = (-1, None)  # (version, factors at it): read several times a step
+        # how far its ratios have moved, summed over every move (|log| of each): prices read at travel t are within
+        # a factor e^(travel - t) of today's (`within`: a policy keeps what it decided without reading them)
+        self.travel = 0.0
 
     def fit(self, columns: int) -> None:
         """Room for forwards of up to `columns` columns (a call verifying more siblings than those before)."""
@@ -258,14 +261,41 @@ class StepClock:
         cheaper than measured); 1 before any. Not the ratio of all forwards: made of the widths chosen, it
         would price an untried cheaper width with them."""
         if self.made[0] != self.version:
-            ar = self.columns[1] if len(self.columns) > 1 and not np.isnan(self.columns[1]) else 1.0
-            self.made = self.version, np.nan_to_num(self.columns, nan=ar)
+            self.made = self.version, np.nan_to_num(self.columns, nan=self.factor(1))
         return self.made[1]
+
+    def prices(self) -> np.ndarray:
+        """[c + 1]: every factor a price is multiplied by: `factors()`, then drafting's."""
+        return np.append(self.factors(), self.drafting)
+
+    def mark(self) -> tuple[float, np.ndarray]:
+        """Where the prices are now, for `within`: (travel, prices())."""
+        return self.travel, self.prices()
+
+    def within(self, mark: tuple[float, np.ndarray], band: float) -> tuple[float, np.ndarray] | None:
+        """Whether every price moved by less than a factor e^band since `mark`: the mark again (its travel moved up
+        to what is known of the prices now), None where one moved that far. The travel since bounds the moves
+        without reading the prices (most steps); past the bound they are read."""
+        travel, prices = mark
+        if self.travel - travel < band:
+            return mark
+        moved = float(np.abs(np.log(self.prices() / prices)).max())
+        return None if moved >= band else (self.travel - moved, prices)
+
+    def factor(self, columns: int) -> float:
+        """`factors()[columns]`, without making them all (a step reads one)."""
+        own = float(self.columns[columns])
+        if own == own:  # (not NaN: a step of that many columns was timed)
+            return own
+        ar = float(self.columns[1]) if len(self.columns) > 1 else math.nan
+        return ar if ar == ar else 1.0
 
     def forward_step(self, seconds: float, price: float, columns: int) -> bool:
         """A step without drafting, of `columns` columns priced `price`, took `seconds`; whether steps now disagree
         with their prices (DISAGREE)."""
-        self.columns[columns] = running(self.factors()[columns], seconds / price)
+        before = self.factor(columns)  # (for one column, also what each untimed width's factor was)
+        self.columns[columns] = after = running(before, seconds / price)
+        self.travel += abs(math.log(after / before))
         self.forward = running(self.forward, seconds / price)
         self.version += 1
         self.seconds += seconds
@@ -274,7 +304,9 @@ class StepClock:
     def drafting_step(self, seconds: float, price: float, columns: int, drafting: float) -> None:
         """A step with the drafter's forward, its forward of `columns` columns priced `price` and drafting
         `drafting`, took `seconds`."""
-        self.drafting = running(self.drafting, (seconds - price * self.factors()[columns]) / drafting)
+        before = self.drafting
+        self.drafting = running(before, (seconds - price * self.factor(columns)) / drafting)
+        self.travel += abs(math.log(self.drafting / before))
         self.version += 1
         self.seconds += seconds
 
@@ -283,11 +315,13 @@ class StepClock:
         c columns and `drafting`: old price / new), so that what steps showed a width or drafting to take stays what
         they took (drafting's ratio holds the host work beside the drafter's forward: no measurement's error); the
         ratio of all forwards starts again (whether the new measurement is in doubt)."""
+        before = self.prices()
         n = min(len(columns), len(self.columns) - 1)
         self.columns[1 : n + 1] = np.clip(self.columns[1 : n + 1] * columns[:n], *CLOCK_RANGE)
         self.drafting = min(max(self.drafting * drafting, CLOCK_RANGE[0]), CLOCK_RANGE[1])
         self.forward = 1.0
         self.version += 1
+        self.travel += float(np.abs(np.log(self.prices() / before)).max())
 
 
 def running(ratio: float, observed: float) -> float:

@@ -69,6 +69,7 @@ SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting 
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
+VERDICT_DRIFT = 1.25  # a kept verdict's probe interval is made again once prices may have moved by this factor
 MARGIN = 1.05  # drafting (a wider forward, a drafter's forward) must promise this much more than not drafting
 MAX_Q = 0.99
 
@@ -256,9 +257,9 @@ class Adaptive(Policy):
         committing at most k + 1 (k = 0 .. b)."""
         return np.concatenate([np.ones((q.shape[0], 1)), 1 + np.cumsum(np.cumprod(q, 1), 1)], 1)
 
-    def price(self, rows: int) -> Prices:
-        """The costs at `rows` rows: read from the cost model once per call (they do not change within one), each
-        forward and drafting at what steps show they cost (once per step the clock took in)."""
+    def measured(self, rows: int) -> Prices:
+        """The costs at `rows` rows as measured: read from the cost model once per call (they do not change within
+        one unless the forwards are measured again)."""
         key = (self.costs, rows)
         if key not in self.prices:
             c = self.costs
@@ -267,8 +268,15 @@ class Adaptive(Policy):
             self.prices[key] = Prices(np.array(self.widths), np.array([c.verify(rows, w) for w in self.widths]), ar,
                                       per_row, c.draft(rows),
                                       np.array([c.verify(rows, w) for w in range(1, max(self.widths) + self.most_siblings + 1)]))
+        return self.prices[key]
+
+    def price(self, rows: int) -> Prices:
+        """The costs at `rows` rows, each forward and drafting at what steps show they cost (made again once the
+        clock took in a step, where a decision reads them)."""
+        key = (self.costs, rows)
+        price = self.measured(rows)
         if self.clocked.get(key, (None,))[0] != self.clock.version:
-            own, price = self.clock.factors(), self.prices[key]
+            own = self.clock.factors()
             self.clocked[key] = self.clock.version, replace(
                 price, verify=price.verify * own[price.widths], ar=price.ar * own[1], per_row=price.per_row * own[1],
                 draft=price.draft * self.clock.drafting, columns=price.columns * own[1:len(price.columns) + 1])
@@ -282,8 +290,7 @@ class Adaptive(Policy):
         have the forwards measured again."""
         if self.costs is None or self.scripted is not None:  # costs said, not measured: in no unit of time
             return
-        self.price(rows)
-        price = self.prices[self.costs, rows]  # as measured
+        price = self.measured(rows)
         columns = min(columns, len(price.columns))
         forward = price.columns[columns - 1]
         if self.drafting:
@@ -294,8 +301,7 @@ class Adaptive(Policy):
             self.prices.clear()  # the new table's prices, and what steps showed re-expressed against them
             self.clocked.clear()
             self.verdicts = {}
-            self.price(rows)
-            new = self.prices[self.costs, rows]
+            new = self.measured(rows)
             self.clock.rescale(price.columns / new.columns, price.draft / new.draft if new.draft > 0 else 1.0)
 
     def saved(self, q: np.ndarray, sibling: np.ndarray | None = None) -> np.ndarray:
@@ -348,12 +354,12 @@ class Adaptive(Policy):
                 choice = (int(price.widths[at]), siblings, float(with_siblings[at]))
         return choice
 
-    def probe_due(self, source: str, rows: int) -> bool:
+    def probe_interval(self, rows: int) -> int:
         """Every n-th step a source the estimates rule out is tried, n such that trying it costs at most
         PROBE_BUDGET of the AR time in between."""
         price = self.price(rows)
         extra = max(price.columns[-1] + price.draft - price.ar, 0.0)
-        return self.estimates[source].idle >= math.ceil(extra / (PROBE_BUDGET * price.ar))
+        return math.ceil(extra / (PROBE_BUDGET * price.ar))
 
     # --------------------------------------------------------------------------------------------- decisions
 
@@ -373,19 +379,24 @@ class Adaptive(Policy):
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
         self._rows(rows)
         index, b = self.sources.index(source), self.widths[-1]
-        if free is None:  # the answer changes only with what was learnt, the rows' gaps and prices: not every step
-            gaps = None if self.remaining is None else (self.remaining.max() - self.remaining, self.remaining.min() < b)
-            key = (source, rows, self.costs, self.learnt, None if gaps is None else (gaps[0].tobytes(), gaps[1]))
-            prices = np.append(self.clock.factors(), self.clock.drafting)
-            kept = self.verdicts.get(key)
-            # prices that moved by a factor f move the verdict's ratio by at most f^2: kept while that cannot flip it
-            if kept is None or 2 * np.abs(np.log(prices / kept[1])).max() >= abs(math.log(max(kept[0], 1e-9))):
-                kept = self.pays(source, index, None, rows), prices
-                self.verdicts = {key: kept}
-            use = kept[0] > 1 or self.probe_due(source, rows)
-        else:
-            use = self.pays(source, index, free, rows) > 1 or self.probe_due(source, rows)
         estimate = self.estimates[source]
+        if free is None:  # the answer changes only with what was learnt, the rows' gaps and prices: not every step
+            # (no numpy in most steps: where drafting does not pay, this was most of the policy's host work)
+            left = None if self.remaining is None else self.remaining.tolist()
+            gaps = None if left is None else (tuple(max(left) - m for m in left), min(left) < b)
+            key = (source, rows, self.costs, self.learnt, gaps)
+            kept = self.verdicts.get(key)
+            if kept is not None:  # prices that moved by a factor f move its ratio by at most f^2: kept while that
+                # cannot flip it, and its probe interval while that is off by less than VERDICT_DRIFT
+                ratio, mark, interval = kept
+                mark = self.clock.within(mark, min(abs(math.log(max(ratio, 1e-9))) / 2, math.log(VERDICT_DRIFT)))
+                kept = None if mark is None else (ratio, mark, interval)
+            if kept is None:
+                kept = self.pays(source, index, None, rows), self.clock.mark(), self.probe_interval(rows)
+            self.verdicts = {key: kept}
+            use = kept[0] > 1 or estimate.idle >= kept[2]
+        else:
+            use = self.pays(source, index, free, rows) > 1 or estimate.idle >= self.probe_interval(rows)
         estimate.idle = 0 if use else estimate.idle + 1
         self.drafting = use
         return use

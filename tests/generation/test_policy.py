@@ -408,6 +408,32 @@ def test_a_width_no_step_has_timed_is_priced_at_ar_steps_ratio():
     assert clock.factors()[[1, 2, 3, 4]].tolist() == pytest.approx([1.3, 1.3, 1.0, 1.3], rel=1e-3)
 
 
+def test_the_clock_tells_whether_prices_moved_without_reading_them():
+    """A policy keeps a verdict while the prices cannot have moved enough to flip it (StepClock.within), reading
+    the clock's travel most steps: between any two moments every factor a price is multiplied by (each width's,
+    drafting's) moved by at most the travel in between (|log| of the ratio), whatever steps, widths untimed until
+    then and new measurements came in between; and `within` answers as the factors themselves do (checked against
+    them, every pair of moments)."""
+    rng = np.random.default_rng(0)
+    clock = StepClock(5)
+    seen = [clock.mark()]
+    for step in range(300):
+        columns = int(rng.integers(1, 6))
+        if step % 97 == 96:
+            clock.rescale(rng.uniform(0.5, 2.0, 5), float(rng.uniform(0.5, 2.0)))
+        elif rng.random() < 0.3:
+            clock.drafting_step(float(rng.uniform(1.0, 3.0)), 1.0, columns, 0.5)
+        else:
+            clock.forward_step(float(rng.uniform(0.5, 2.0)), 1.0, columns)
+        seen.append(clock.mark())
+    now = clock.prices()
+    for i, (travel, prices) in enumerate(seen):
+        for later, moved in seen[i + 1:]:
+            assert np.abs(np.log(moved / prices)).max() <= later - travel + 1e-9
+        for band in (0.01, 0.1, 0.5):
+            assert (clock.within((travel, prices), band) is None) == (np.abs(np.log(now / prices)).max() >= band)
+
+
 def test_cost_tables_interpolate_between_measured_shapes():
     table = {1: 1.0, 4: 2.5}
     assert interpolate(table, 1) == 1.0 and interpolate(table, 2) == 1.5 and interpolate(table, 6) == 3.5
