@@ -381,13 +381,12 @@ class Adaptive(Policy):
         index, b = self.sources.index(source), self.widths[-1]
         estimate = self.estimates[source]
         if free is None:  # the answer changes only with what was learnt, the rows' gaps and prices: not every step
-            # (no numpy in most steps: where drafting does not pay, this was most of the policy's host work)
             left = None if self.remaining is None else self.remaining.tolist()
             gaps = None if left is None else (tuple(max(left) - m for m in left), min(left) < b)
             key = (source, rows, self.costs, self.learnt, gaps)
             kept = self.verdicts.get(key)
             if kept is not None:  # prices that moved by a factor f move its ratio by at most f^2: kept while that
-                # cannot flip it, and its probe interval while that is off by less than VERDICT_DRIFT
+                # cannot flip it and its probe interval is off by less than VERDICT_DRIFT (no numpy in most steps)
                 ratio, mark, interval = kept
                 mark = self.clock.within(mark, min(abs(math.log(max(ratio, 1e-9))) / 2, math.log(VERDICT_DRIFT)))
                 kept = None if mark is None else (ratio, mark, interval)
