@@ -32,7 +32,6 @@ keeps of it) and proposes the next drafts (r2lm.generation.proposal: tokens, the
                                          first tokens of `ar` (AR's greedy tokens); read with the step's outcome
     settle(made, seen, ar, length)       the next proposal on the device and on the host, once the outcome is read
     keep_rows(stay, staying)             rows that finished leave (stay on the device, staying on the host)
-    prepare_shapes()                     the forward shapes the loop will run (built before its first step)
     costs()                              what its forwards cost here (r2lm.generation.costs), measured once
 
 `state` (r2lm.generation.verify.Verification) holds the rows' text, their committed lengths and the context.
@@ -51,7 +50,7 @@ from r2lm.generation.policy import Policy
 from r2lm.generation.proposal import Proposal
 from r2lm.generation.sampling import propose
 from r2lm.generation.window import WindowReader
-from r2lm.layout import verify_layout
+from r2lm.layout import Layout, verify_layout
 
 FREE = ("lookup", "ngram")  # sources that draft without a forward of their own
 COST_CONTEXT = 64  # the shortest context a cost is measured over (a forward's cost barely depends on it here)
@@ -133,9 +132,6 @@ class Drafts(ABC):
         if self.texts is not None:
             self.texts.keep(staying)
 
-    def prepare_shapes(self) -> None:
-        return  # by default its shapes are built on first use
-
     def costs(self) -> MeasuredCosts:
         """What this call's forwards cost on this machine: measured the first time the model verifies with these
         sources at this draft length and batch size, then kept (r2lm.generation.costs)."""
@@ -195,8 +191,7 @@ class CleanDrafts(Drafts):
         if any(name in FREE for name in self.sources):
             ids, mask = state.input_ids.tolist(), state.r.prompt.attention_mask.tolist()
             self.texts = RowTexts([[t for t, m in zip(row, on, strict=True) if m] for row, on in zip(ids, mask, strict=True)])
-        self.layouts = {(w, k): verify_layout(w, [], state.device, k) for w in self.widths
-                        for k in range(self.siblings + 1 if w >= 2 else 1)}
+        self.layouts: dict[tuple[int, int], Layout] = {}  # (width, siblings) -> the forward's template (layout_of)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -204,14 +199,20 @@ class CleanDrafts(Drafts):
         b = self.state.b
         return (1, b) if self.state.r.caching.compile and b > 1 else tuple(range(1, b + 1))
 
-    def prepare_shapes(self) -> None:
-        for layout in self.layouts.values():
-            self.state.reader.prepare(layout.length, layout.length, layout)
+    def layout_of(self, width: int, siblings: int):
+        """The template of a forward of `width` clean columns and `siblings`, made on first use and then kept (the
+        reader keeps its masks by this object). Not made ahead for every width: a call uses few of them (AR steps
+        alone where drafting does not pay), and making them all ahead cost every call (docs/results.md, "Set-up
+        and host work of verified decoding")."""
+        key = (width, siblings)
+        if key not in self.layouts:
+            self.layouts[key] = verify_layout(width, [], self.state.device, siblings)
+        return self.layouts[key]
 
     def verify(self, opener, draft, width, siblings=None):
         k = 0 if siblings is None else siblings.shape[1]
         ids = torch.cat([opener, draft[:, : width - 1], *([] if siblings is None else [siblings])], 1)
-        out = self.state.context.read_draft(ids, self.layouts[width, k], self.capture)
+        out = self.state.context.read_draft(ids, self.layout_of(width, k), self.capture)
         if not self.capture:
             return out
         logits, captured, head = out
@@ -307,6 +308,7 @@ class ModelDrafts(CleanDrafts):
         self.context = drafter.new_context(state.batch, state.prompt_len + state.n + 2 * state.b
                                            + drafter.config.block_size)
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # (captured, valid) not appended yet
+        self.columns = torch.arange(self.room(verifying), device=state.device)  # a forward's columns, for `next`
 
     def first(self):
         free = self.free()
@@ -317,8 +319,7 @@ class ModelDrafts(CleanDrafts):
         s = self.state
         captured, head = self.seen
         # every column the forward read, those a row did not commit invalid (no host sync to trim them)
-        kept = torch.arange(captured[0].shape[1] - (0 if head is None else head.shape[1]), device=s.device)
-        kept = kept < length[:, None]
+        kept = self.columns[: captured[0].shape[1] - (0 if head is None else head.shape[1])] < length[:, None]
         self.pending.append((captured, kept if head is None else torch.cat([head, kept], 1)))
         self.opener = ar.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
         if self.texts is not None:  # weighed against the free sources' drafts, made on the host once read (on_host)
@@ -427,10 +428,6 @@ class WindowDrafts(Drafts):
     @property
     def widths(self) -> tuple[int, ...]:
         return (1, self.state.b)
-
-    def prepare_shapes(self) -> None:
-        self.state.reader.prepare(self.layout.length, self.state.b, self.layout)
-        self.state.reader.prepare(1, 1, self.narrow)
 
     def first(self):
         """The first window, read by the forward that appends the prompt; where the policy finds windows not worth

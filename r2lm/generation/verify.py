@@ -241,7 +241,6 @@ def decode_verified(model, r) -> GenerateOutput:
     drafts = kind(s, policy, v)
     policy.start(drafts.sources, drafts.widths, drafts.costs() if policy.needs_costs else None, r.mask_id, model,
                  drafts.key, drafts.siblings)
-    drafts.prepare_shapes()  # the loop's forward shapes, built outside its steps
     stopper = Stopper(r.stopping, ids, r.prompt.attention_mask, every_token=True)
     cols = torch.arange(b, device=s.device)
     no_hit = torch.full((s.batch,), -1, dtype=torch.long, device=s.device)

@@ -120,7 +120,9 @@ class WindowReader:
 
     def prepare(self, width: int, commit: int, layout: Layout | None = None) -> _Shape:
         """The kept masks of a forward shape, built on first use (its set-up reads the host once: a caller that
-        knows the next shape can build it ahead, outside the steps)."""
+        knows the next shape can build it ahead, outside the steps, as decoding does after the prompt; verified
+        decoding builds each shape as its steps first run it: of the dozens of widths and sibling counts a call may
+        run, most calls run few)."""
         key = (width, commit) if layout is None else layout
         if key not in self.shapes:
             template = window_layout(width, commit, self.cache.valid.device) if layout is None else layout

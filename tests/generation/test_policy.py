@@ -12,6 +12,7 @@ from torch import nn
 
 from r2lm import generate
 from r2lm.drafter import Drafter, DrafterConfig
+from r2lm.generation import window
 from r2lm.generation.costs import REMEASURE_BUDGET, MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.costs import TRIALS as COST_TRIALS
 from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy
@@ -143,6 +144,26 @@ def widths_of(target, ids, n, **options):
 
     out = generate(target, ids, max_new_tokens=n, verify=True, eos_token_id=[], step_callback=note, **options)
     return out, widths, accepted
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if s != "window"])  # (the window's forwards: two shapes)
+@pytest.mark.parametrize("policy", [AlwaysAR, Alternating])
+def test_a_call_builds_only_the_forward_shapes_it_runs(converted, source, policy, monkeypatch):
+    """A forward shape's masks are built on its first use: a call builds one per forward width its steps ran (after
+    the first, which reads the prompt through the model's own forward), not one per width and sibling count it
+    might have run (29 with a drafter at block 8, which cost each call more than its AR steps' host work)."""
+    hf, target, drafter = converted
+    built = []
+    original = window._Shape.__init__
+
+    def spy(self, model, cache, template, commit):
+        built.append(template.length)
+        original(self, model, cache, template, commit)
+
+    monkeypatch.setattr(window._Shape, "__init__", spy)
+    ids = left_padded(batch=1)[0]
+    out, widths, _ = widths_of(target, ids, 12, block_size=4, verify_policy=policy(), **options_of(source, drafter))
+    assert len(built) == len(set(widths[1:])), (source, widths, built)
 
 
 def test_expensive_drafting_makes_every_step_an_ar_step(converted):
