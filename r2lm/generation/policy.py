@@ -58,14 +58,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from r2lm.generation.acceptance import PRIOR, Acceptance
 from r2lm.generation.costs import StepClock, StepCosts
 from r2lm.generation.proposal import Proposal
 
-BUCKETS = 10  # confidence buckets of a source's acceptance estimate
-POSITIONS = 4  # positions in the draft it tells apart (the first, second, third, any later one)
-PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts of a source never observed: an even chance
-CELL_PRIOR = 2.0  # pseudo-tries at the pooled rate of a (confidence, position) cell
-SOURCE_DECAY = 0.995  # per observation: a source's estimates follow a drifting text slowly
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
 ROW_PRIOR = 2.0  # pseudo-tries of a row's rate at the source's rate
 PROBE_BUDGET = 0.01  # probing a source the estimates rule out costs at most this share of AR time
@@ -144,46 +140,6 @@ class Longest(Policy):
         return self.widths[-1] if bool((proposal.draft != self.mask_id).any()) else 1
 
 
-class Acceptance:
-    """A draft source's acceptance estimate, kept for a model across calls: pooled over all its tokens (which learns
-    within a few steps whether the source is any good), and by confidence bucket and position in the draft (the
-    first token, the second, ... POSITIONS - 1 and later: a copied or well-predicted span, once its first token is
-    right, tends to go on), each cell drawn towards the pooled rate until it has its own observations."""
-
-    def __init__(self, prior: tuple[float, float] = PRIOR):
-        self.prior = np.array(prior)  # (accepted, tried) pseudo-counts before any observation
-        self.pooled = self.prior.copy()
-        self.accepted = np.zeros((BUCKETS, POSITIONS))
-        self.tried = np.zeros((BUCKETS, POSITIONS))
-        # steps since a costly source last drafted, counted across calls like the estimates: calls shorter than
-        # the probe interval still probe it now and then
-        self.idle = 0
-
-    @staticmethod
-    def cell(confidence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        bucket = np.minimum((np.clip(confidence, 0, 1) * BUCKETS).astype(np.int64), BUCKETS - 1)
-        return bucket, np.minimum(position, POSITIONS - 1)
-
-    def rate(self) -> float:
-        """The pooled rate: accepted / tried over every observation, with the prior's pseudo-counts."""
-        return float(self.pooled[0] / self.pooled[1])
-
-    def q(self, confidence: np.ndarray) -> np.ndarray:
-        """[R, b] estimates for drafts' tokens (confidence [R, b], positions 0 .. b - 1)."""
-        position = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
-        index = self.cell(confidence, position)
-        return (self.accepted[index] + CELL_PRIOR * self.rate()) / (self.tried[index] + CELL_PRIOR)
-
-    def update(self, confidence: np.ndarray, position: np.ndarray, accepted: np.ndarray) -> None:
-        decay = SOURCE_DECAY ** max(len(accepted), 1)
-        self.pooled = (self.pooled - self.prior) * decay + self.prior + np.array([accepted.sum(), len(accepted)])
-        self.accepted *= SOURCE_DECAY
-        self.tried *= SOURCE_DECAY
-        index = self.cell(confidence, position)
-        np.add.at(self.accepted, index, accepted.astype(np.float64))
-        np.add.at(self.tried, index, 1.0)
-
-
 _ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(drafts' key, source): Acceptance}
 
 
@@ -214,7 +170,7 @@ class Adaptive(Policy):
         self.remaining = None  # [R] tokens each row has left (None before the first step: all rows alike)
         self.prices: dict = {}  # (costs, rows) -> Prices, read once: the policy decides every step
         self.clocked: dict = {}  # (costs, rows) -> (the clock's version, those Prices at what steps show)
-        self.learnt, self.verdicts = 0, {}  # observations that changed an estimate; `pays` answers since the last
+        self.learnt, self.verdicts = [0] * len(sources), {}  # per source: observations that changed its estimates
         self.tuned = None if self.costs is None else self.costs.timings()  # products the tuners timed by the last step
 
     # --------------------------------------------------------------------------------------------- estimates
@@ -378,27 +334,37 @@ class Adaptive(Policy):
 
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
         self._rows(rows)
-        index, b = self.sources.index(source), self.widths[-1]
+        index = self.sources.index(source)
         estimate = self.estimates[source]
-        if free is None:  # the answer changes only with what was learnt, the rows' gaps and prices: not every step
-            left = None if self.remaining is None else self.remaining.tolist()
-            gaps = None if left is None else (tuple(max(left) - m for m in left), min(left) < b)
-            key = (source, rows, self.costs, self.learnt, gaps)
-            kept = self.verdicts.get(key)
-            if kept is not None:  # prices that moved by a factor f move its ratio by at most f^2: kept while that
-                # cannot flip it and its probe interval is off by less than VERDICT_DRIFT (no numpy in most steps)
-                ratio, mark, interval = kept
-                mark = self.clock.within(mark, min(abs(math.log(max(ratio, 1e-9))) / 2, math.log(VERDICT_DRIFT)))
-                kept = None if mark is None else (ratio, mark, interval)
-            if kept is None:
-                kept = self.pays(source, index, None, rows), self.clock.mark(), self.probe_interval(rows)
-            self.verdicts = {key: kept}
-            use = kept[0] > 1 or estimate.idle >= kept[2]
-        else:
-            use = self.pays(source, index, free, rows) > 1 or estimate.idle >= self.probe_interval(rows)
+        # against free drafts, at one row, a source pays at most what it pays against none (the row takes the likelier
+        # draft: where that is the free one the forward only costs, where it is the source's the rate to beat is at
+        # least AR's), so where it sat out the step before, a kept verdict under 1 against none stands for them too
+        bound = free is not None and rows == 1 and estimate.idle > 0
+        if free is None or bound:
+            ratio, interval = self.verdict(source, index, rows)
+        if free is not None and not (bound and ratio <= 1):
+            ratio, interval = self.pays(source, index, free, rows), self.probe_interval(rows)
+        use = ratio > 1 or estimate.idle >= interval
         estimate.idle = 0 if use else estimate.idle + 1
         self.drafting = use
         return use
+
+    def verdict(self, source: str, index: int, rows: int) -> tuple[float, int]:
+        """`pays` against no drafts, and the probe interval: kept while what decides them holds (the source's own
+        estimates, the rows' gaps, prices that cannot have moved enough to change them), not made every step."""
+        left = None if self.remaining is None else self.remaining.tolist()
+        gaps = None if left is None else (tuple(max(left) - m for m in left), min(left) < self.widths[-1])
+        key = (source, rows, self.costs, self.learnt[index], gaps)
+        kept = self.verdicts.get(key)
+        if kept is not None:  # prices that moved by a factor f move its ratio by at most f^2: kept while that cannot
+            # flip it and its probe interval is off by less than VERDICT_DRIFT
+            ratio, mark, interval = kept
+            mark = self.clock.within(mark, min(abs(math.log(max(ratio, 1e-9))) / 2, math.log(VERDICT_DRIFT)))
+            kept = None if mark is None else (ratio, mark, interval)
+        if kept is None:
+            kept = self.pays(source, index, None, rows), self.clock.mark(), self.probe_interval(rows)
+        self.verdicts = {key: kept}
+        return kept[0], kept[2]
 
     def pays(self, source: str, index: int, free: Proposal | None, rows: int) -> float:
         """How many times what it must beat the estimates expect `source`'s drafting to spare per second (above 1:
@@ -461,7 +427,7 @@ class Adaptive(Policy):
             rows = (proposal.source == index) & (submitted > 0)
             if not rows.any():
                 continue
-            self.learnt += 1
+            self.learnt[index] += 1
             seen = looked & rows[:, None]
             self.estimates[name].update(proposal.confidence[:, :width][seen],
                                         np.broadcast_to(positions, seen.shape)[seen],
@@ -477,7 +443,7 @@ class Adaptive(Policy):
         for index, name in enumerate(self.sources):
             seen = offered & (proposal.source == index)[:, None]
             if seen.any():
-                self.learnt += 1
+                self.learnt[index] += 1
                 self.sibling_estimates[name].update(proposal.sibling_confidence[:, :siblings][seen], rank[seen],
                                                     (rank == hit[:, None])[seen])
 

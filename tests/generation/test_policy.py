@@ -15,7 +15,7 @@ from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation import window
 from r2lm.generation.costs import REMEASURE_BUDGET, MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.costs import TRIALS as COST_TRIALS
-from r2lm.generation.policy import PROBE_BUDGET, Adaptive, Longest, Policy
+from r2lm.generation.policy import MARGIN, PROBE_BUDGET, Adaptive, Longest, Policy
 from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
@@ -251,6 +251,51 @@ def test_the_policy_drafts_where_acceptance_pays_and_stops_where_confidence_fall
     assert policy.worth("drafter", None, 1)  # its tokens are mostly accepted: it pays for its forward
     policy.costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1), draft=lambda rows: 50.0)
     assert not policy.worth("drafter", None, 1)  # a forward of 50 AR steps never pays
+
+
+def test_at_one_row_a_drafter_pays_no_more_against_free_drafts_than_against_none():
+    """What lets `worth` keep its verdict against no drafts where free drafts are at hand, at one row: whatever the
+    estimates, confidences, siblings, tokens left and costs, the drafter pays against free drafts at most what it
+    pays against none, or less than 1 (where the row keeps the free draft, the drafter's forward only costs). Not in
+    a batch, where a drafter can pay for the row the free drafts leave behind. At one row and at two, `worth`
+    answers as a verdict against the free drafts would (it makes none where the bound settles it)."""
+    rng = np.random.default_rng(0)
+    b = 8
+    for trial in range(600):
+        rows = 1 + trial % 2
+        columns = np.concatenate([[1.0], 1.0 + np.cumsum(rng.uniform(-0.05, 0.4, b + 3))])
+        drafting = rng.uniform(0.01, 1.0)
+        policy = Adaptive(ScriptedCosts(verify=lambda r, width, c=columns: c[width - 1] * (1 + 0.1 * r),
+                                        draft=lambda r, d=drafting: d))
+        policy.start(("lookup", "ngram", "drafter"), tuple(range(1, b + 1)), None, mask_id=99,
+                     siblings=int(rng.integers(0, 4)))
+
+        def drafts(length):
+            return np.where(np.arange(b)[None] < length[:, None], np.arange(1, b + 1)[None], 99)
+
+        for _ in range(int(rng.integers(1, 40))):  # what each source's drafts were seen to be worth
+            length = rng.integers(1, b + 1, rows)
+            policy.observe(Proposal(drafts(length), rng.uniform(0, 1, (rows, b)), rng.integers(0, 3, rows)),
+                           int(rng.integers(1, b + 1)), rng.integers(0, length + 1), rng.integers(1, 100, rows))
+        free = Proposal(drafts(rng.integers(0, b + 1, rows)), rng.uniform(0, 1, (rows, b)), rng.integers(0, 2, rows))
+        against_none, against_free = policy.pays("drafter", 2, None, rows), policy.pays("drafter", 2, free, rows)
+        if rows == 1:
+            assert against_free <= max(against_none, 1 / MARGIN) * (1 + 1e-12)
+        policy.estimates["drafter"].idle = idle = int(rng.integers(0, 3))
+        assert policy.worth("drafter", free, rows) == (against_free > 1 or idle >= policy.probe_interval(rows))
+    # a batch the bound does not hold for: tied rows, a sure free draft for one, none for the other; the drafter's
+    # for the second let the batch take the first's too, so it pays against the free drafts and not against none
+    policy = Adaptive(ScriptedCosts(verify=lambda r, width: 1.0 + 0.05 * (width - 1), draft=lambda r: 0.5))
+    policy.start(("lookup", "drafter"), (1, 2, 3, 4), None, mask_id=99)
+    sure, none, left = np.array([1, 2, 3, 4]), np.array([99] * 4), np.array([100, 100])
+    for _ in range(30):  # lookup's drafts accepted whole, the drafter's first token one time in four
+        policy.observe(Proposal(np.stack([sure, sure]), np.ones((2, 4)), np.array([0, 0])), 4, np.array([4, 4]), left)
+        policy.observe(Proposal(np.stack([sure, sure]), np.full((2, 4), 0.5), np.array([1, 1])), 4, np.array([1, 1]),
+                       left)
+    free = Proposal(np.stack([sure, none]), np.array([[1.0] * 4, [0.0] * 4]), np.array([0, 0]))
+    assert policy.pays("drafter", 1, None, 2) < 1 < policy.pays("drafter", 1, free, 2)
+    policy.estimates["drafter"].idle = 1
+    assert policy.worth("drafter", free, 2)
 
 
 def test_a_batch_drafts_for_the_row_with_most_left():
