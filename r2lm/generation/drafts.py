@@ -199,7 +199,7 @@ class CleanDrafts(Drafts):
         b = self.state.b
         return (1, b) if self.state.r.caching.compile and b > 1 else tuple(range(1, b + 1))
 
-    def layout_of(self, width: int, siblings: int):
+    def layout_of(self, width: int, siblings: int) -> Layout:
         """The template of a forward of `width` clean columns and `siblings`, made on first use and then kept (the
         reader keeps its masks by this object). Not made ahead for every width: a call uses few of them (AR steps
         alone where drafting does not pay), and making them all ahead cost every call (docs/results.md, "Set-up
