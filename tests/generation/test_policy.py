@@ -151,7 +151,7 @@ def widths_of(target, ids, n, **options):
 def test_a_call_builds_only_the_forward_shapes_it_runs(converted, source, policy, monkeypatch):
     """A forward shape's masks are built on its first use: a call builds one per forward width its steps ran (after
     the first, which reads the prompt through the model's own forward), not one per width and sibling count it
-    might have run (29 with a drafter at block 8, which cost each call more than its AR steps' host work)."""
+    might have run (29 with a drafter at block 8 and 3 siblings)."""
     hf, target, drafter = converted
     built = []
     original = window._Shape.__init__
