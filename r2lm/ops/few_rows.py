@@ -28,7 +28,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp")  # OpenMP: at::parallel_for's threads
+# OpenMP: at::parallel_for's threads. -ffp-contract=off: every multiply-add rounds its product, in every tile shape.
+# Left to GCC, whether `acc += a * b` fuses into one FMA is decided per loop and per -mtune (on Zen 3 it avoids FMA
+# chains in a loop of one accumulator, and fuses them in loops of several), so a row's product would depend on the
+# rows multiplied beside it (tests/ops/test_linear.py checks it does not).
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp")
 
 
 def _cpu() -> str:

@@ -1,63 +1,91 @@
 // y = x W^T for a few rows of x (float32, CPU): the product of a decode step, which is memory-bound. Each tile of
-// 4 weight rows is read from memory once and multiplied by every row of x (x stays in cache), 16 floats at a time
-// with GCC's vector extensions (AVX-512, AVX2 or SSE, whatever the build's -march gives), while the next tile's rows
-// are prefetched: with several rows of x the multiplications take long enough that the hardware's own prefetch
-// falls behind (docs/results.md, "Few-row matrix products on a CPU", measures what it saves).
+// NB weight rows is read from memory once and multiplied by every row of x (x stays in cache), a vector register's
+// floats at a time with GCC's vector extensions, while the next tile's rows are prefetched: with several rows of x
+// the multiplications take long enough that the hardware's own prefetch falls behind (docs/results.md, "Few-row
+// matrix products on a CPU", measures what it saves).
+// A tile's accumulators (NB weight rows x MB input rows of vectors) and its NB weight vectors must fit the vector
+// registers, or its multiply-adds spill to the stack and the kernel turns compute-bound: its cost then grows with
+// the rows, which is what it exists to avoid (on an AVX2 machine, 16 registers of 8 floats, 4 x 4 tiles of 16-float
+// vectors took 4x one row's time at 4 rows: docs/results.md, "The few-row kernel on an AVX2 machine"). So the
+// build's -march chooses the vector and the tile: AVX-512 has 32 registers (16 accumulators, 4 weight vectors, an
+// input's), AVX and SSE 16 (12 accumulators and 4 weight vectors; the input a memory operand of each multiply-add).
 // r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/extension.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int LANES = 16, MB = 4;
+#elif defined(__AVX__)
+constexpr int LANES = 8, MB = 3;
+#else
+constexpr int LANES = 4, MB = 3;
+#endif
+constexpr int NB = 4;
 
-static inline v16 load16(const float* p) {
-  v16 v;
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec load(const float* p) {
+  vec v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-static inline float sum16(v16 v) {
+// acc + a * b, fused where the CPU has FMA, in every tile shape alike: the build's -ffp-contract=off keeps GCC from
+// fusing (or not) by its own per-loop judgement (r2lm/ops/few_rows.py FLAGS), so this is the one place products fuse
+static inline vec madd(vec a, vec b, vec acc) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, acc);  // (FMA comes with AVX: 8 lanes)
+#else
+  return acc + a * b;
+#endif
+}
+
+static inline float sum(vec v) {
   float s = 0;
-  for (int i = 0; i < 16; i++) s += v[i];
+  for (int i = 0; i < LANES; i++) s += v[i];
   return s;
 }
 
-// out[m0 + i, n0 + j] for i < MB, j < NB: MB x NB accumulators over the 16-float chunks of k, then the tail
-// (each output's sum is the same whatever the row count and the tile it falls in; the prefetch changes no result)
-template <int NB, int MB>
+// out[m0 + i, n0 + j] for i < ROWS, j < COLS: ROWS x COLS accumulators over k's chunks of LANES floats, then the
+// tail (each output's sum is the same whatever the row count and the tile it falls in; the prefetch changes no result)
+template <int COLS, int ROWS>
 static inline void tile(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t K, int64_t N) {
-  v16 acc[MB][NB];
-  for (int i = 0; i < MB; i++)
-    for (int j = 0; j < NB; j++) acc[i][j] = (v16){};
-  const float* next = w + (n0 + NB + NB <= N ? n0 + NB : n0) * K;  // the next tile's rows (the last tile: its own)
+  vec acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; i++)
+    for (int j = 0; j < COLS; j++) acc[i][j] = (vec){};
+  const float* next = w + (n0 + COLS + COLS <= N ? n0 + COLS : n0) * K;  // the next tile's rows (the last: its own)
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    v16 a[NB];
-    for (int j = 0; j < NB; j++) {
-      a[j] = load16(w + (n0 + j) * K + k);
+  for (; k + LANES <= K; k += LANES) {
+    vec a[COLS];
+    for (int j = 0; j < COLS; j++) {
+      a[j] = load(w + (n0 + j) * K + k);
       __builtin_prefetch(next + j * K + k, 0, 0);
     }
-    for (int i = 0; i < MB; i++) {
-      const v16 b = load16(x + (m0 + i) * K + k);
-      for (int j = 0; j < NB; j++) acc[i][j] += a[j] * b;
+    for (int i = 0; i < ROWS; i++) {
+      const vec b = load(x + (m0 + i) * K + k);
+      for (int j = 0; j < COLS; j++) acc[i][j] = madd(a[j], b, acc[i][j]);
     }
   }
-  for (int i = 0; i < MB; i++)
-    for (int j = 0; j < NB; j++) {
-      float s = sum16(acc[i][j]);
+  for (int i = 0; i < ROWS; i++)
+    for (int j = 0; j < COLS; j++) {
+      float s = sum(acc[i][j]);
       for (int64_t q = k; q < K; q++) s += w[(n0 + j) * K + q] * x[(m0 + i) * K + q];
       out[(m0 + i) * N + n0 + j] = s;
     }
 }
 
-template <int NB>
-static void all_rows(const float* x, const float* w, float* out, int64_t M, int64_t n0, int64_t K, int64_t N) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<NB, 4>(x, w, out, m, n0, K, N);
-  switch (M - m) {
-    case 3: tile<NB, 3>(x, w, out, m, n0, K, N); break;
-    case 2: tile<NB, 2>(x, w, out, m, n0, K, N); break;
-    case 1: tile<NB, 1>(x, w, out, m, n0, K, N); break;
-    default: break;
+// the rows of x MB at a time, then the ROWS < MB left (ROWS counts down to the remainder: one tile, no loop)
+template <int COLS, int ROWS = MB>
+static void all_rows(const float* x, const float* w, float* out, int64_t M, int64_t m, int64_t n0, int64_t K,
+                     int64_t N) {
+  if constexpr (ROWS == MB)
+    for (; m + MB <= M; m += MB) tile<COLS, MB>(x, w, out, m, n0, K, N);
+  if constexpr (ROWS > 1) {
+    if (M - m == ROWS - 1) return tile<COLS, ROWS - 1>(x, w, out, m, n0, K, N);
+    all_rows<COLS, ROWS - 1>(x, w, out, M, m, n0, K, N);
   }
 }
 
@@ -71,13 +99,13 @@ torch::Tensor few_rows(const torch::Tensor& x, const torch::Tensor& w) {
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (N + NB - 1) / NB, 64 / NB, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b++) {
-      const int64_t n0 = b * 4;
-      if (n0 + 4 <= N) {
-        all_rows<4>(X, W, O, M, n0, K, N);
+      const int64_t n0 = b * NB;
+      if (n0 + NB <= N) {
+        all_rows<NB>(X, W, O, M, 0, n0, K, N);
       } else {
-        for (int64_t n = n0; n < N; n++) all_rows<1>(X, W, O, M, n, K, N);
+        for (int64_t n = n0; n < N; n++) all_rows<1>(X, W, O, M, 0, n, K, N);
       }
     }
   });
