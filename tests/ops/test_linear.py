@@ -5,8 +5,10 @@ plain PyTorch until `install` applies a tuner from outside; decisions saved and 
 another process."""
 
 import json
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm import generate
 from r2lm.ops import linear as ops_linear
-from r2lm.ops.few_rows import kernel
+from r2lm.ops.few_rows import FLAGS, SOURCE, kernel
 from r2lm.ops.linear import FEW_ROWS, MARGIN, REFERENCE, TRIALS, TunedLinear, Tuner, install, tuner_of, uninstall
 from tests.helpers import REPO
 from tests.helpers.decoding import ar_greedy
@@ -146,35 +148,62 @@ def test_the_last_level_cache_is_read_from_linux_cache_descriptions(tmp_path):
     assert ops_linear.last_level_cache(tmp_path / "absent") == 0
 
 
-def test_the_kernel_is_f_linear_for_every_remainder():
+def cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+# csrc/few_rows.cpp chooses its vector and tile by the ISA it is compiled for: each build this CPU can run is checked
+# here, not only the one for the machine at hand (a CI machine with AVX-512 would never run the AVX2 tile otherwise)
+ISAS = {"x86-64-v3": {"avx2", "fma"}, "x86-64-v2": {"sse4_2"}}  # AVX2 + FMA: 8 floats, 4 x 3 tiles; SSE: 4 floats
+
+
+@pytest.fixture(scope="module", params=["native", *(pytest.param(isa, marks=pytest.mark.slow) for isa in ISAS)])
+def few_rows_kernel(request, tmp_path_factory):
+    """The few-row kernel: this machine's build, or one compiled for another instruction set (slow: ~40 s each)."""
+    if request.param == "native":
+        if kernel() is None:
+            pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
+        return kernel()
+    if platform.machine() != "x86_64" or not ISAS[request.param] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run code compiled for {request.param}")
+    from torch.utils.cpp_extension import load
+
+    flags = [f for f in FLAGS if not f.startswith(("-march=", "-mprefer-vector-width"))] + [f"-march={request.param}"]
+    name = f"r2lm_few_rows_test_{request.param.replace('-', '_')}"
+    return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                build_directory=str(tmp_path_factory.mktemp(name)))
+
+
+def test_the_kernel_is_f_linear_for_every_remainder(few_rows_kernel):
     """csrc/few_rows.cpp tiles 4 weight rows x 3 or 4 input rows x 4, 8 or 16 floats (by the build's vector
     registers): every remainder of each."""
-    if kernel() is None:
-        pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16):
         for n, k in ((4, 16), (5, 17), (203, 576), (7, 1536), (1, 3)):
             x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
             # sums of k products in another order: rounding grows like sqrt(k); a tiling mistake is off by O(1)
-            torch.testing.assert_close(kernel().few_rows(x, w), F.linear(x, w), rtol=1e-5, atol=2e-6 * k**0.5)
+            torch.testing.assert_close(few_rows_kernel.few_rows(x, w), F.linear(x, w), rtol=1e-5, atol=2e-6 * k**0.5)
     with pytest.raises(RuntimeError, match="float32 only"):
-        kernel().few_rows(x.double(), w.double())
+        few_rows_kernel.few_rows(x.double(), w.double())
 
 
-def test_the_kernel_gives_a_row_the_same_bits_whatever_the_rows_beside_it():
+def test_the_kernel_gives_a_row_the_same_bits_whatever_the_rows_beside_it(few_rows_kernel):
     """A row's product through the kernel does not depend on how many rows are multiplied with it, nor on where the
     weight's rows fall in its tiles (the tail tile, the prefetch of the next one): a verification forward's columns
     get exactly what AR steps over the same text would, where both use the kernel. (Where the compiler chose per
     loop whether to fuse a multiply-add, on Zen 3 the tail tile's one row did not and its rows beside others did.)"""
-    if kernel() is None:
-        pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")
     g = torch.Generator().manual_seed(0)
+    few_rows = few_rows_kernel.few_rows
     for n, k in ((4, 16), (9, 48), (6, 21), (203, 576), (7, 1536)):  # (6, 21): a weight's and a vector's tails
         x, w = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g)
-        alone = torch.cat([kernel().few_rows(x[i : i + 1], w) for i in range(16)])
+        alone = torch.cat([few_rows(x[i : i + 1], w) for i in range(16)])
         for rows in range(1, 17):
-            assert torch.equal(kernel().few_rows(x[:rows], w), alone[:rows]), (rows, n, k)
-        assert torch.equal(kernel().few_rows(x[:3], w[1:]), alone[:3, 1:])  # the weight's rows in other tiles
+            assert torch.equal(few_rows(x[:rows], w), alone[:rows]), (rows, n, k)
+        assert torch.equal(few_rows(x[:3], w[1:]), alone[:3, 1:])  # the weight's rows in other tiles
 
 
 def test_a_column_major_input_is_multiplied_as_rows():
