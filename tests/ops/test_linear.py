@@ -158,14 +158,14 @@ def cpu_flags() -> set[str]:
 
 # csrc/few_rows.cpp chooses its vector and tile by the ISA it is compiled for: the AVX2 build (8 floats, 4 x 3 tiles) is
 # checked here too where the CPU can run it, not only the build for the machine at hand (a CI machine with AVX-512
-# would never run the AVX2 tile otherwise). Not SSE's 4-float build: a compile costs ~40 s, and the CPUs r2lm is
-# meant for all have AVX2.
+# would never run the AVX2 tile otherwise). Not SSE's 4-float build: each compile is a slow test's time, and the
+# CPUs r2lm is meant for all have AVX2.
 ISAS = {"x86-64-v3": {"avx2", "fma"}}
 
 
 @pytest.fixture(scope="module", params=["native", *(pytest.param(isa, marks=pytest.mark.slow) for isa in ISAS)])
 def few_rows_kernel(request, tmp_path_factory):
-    """The few-row kernel: this machine's build, or one compiled for another instruction set (slow: ~40 s each)."""
+    """The few-row kernel: this machine's build, or one compiled for another instruction set (slow: a compile)."""
     if request.param == "native":
         if kernel() is None:
             pytest.skip("the few-row kernel is not built on this machine (python -m r2lm.ops.few_rows)")

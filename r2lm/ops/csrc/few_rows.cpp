@@ -5,8 +5,8 @@
 // matrix products on a CPU", measures what it saves).
 // A tile's accumulators (NB weight rows x MB input rows of vectors) and its NB weight vectors must fit the vector
 // registers, or its multiply-adds spill to the stack and the kernel turns compute-bound: its cost then grows with
-// the rows, which is what it exists to avoid (on an AVX2 machine, 16 registers of 8 floats, 4 x 4 tiles of 16-float
-// vectors took 4x one row's time at 4 rows: docs/results.md, "The few-row kernel on an AVX2 machine"). So the
+// the rows, which is what it exists to avoid (as 4 x 4 tiles of 16-float vectors did on an AVX2 machine, whose 16
+// registers hold 8 floats each: docs/results.md, "The few-row kernel on an AVX2 machine"). So the
 // build's -march chooses the vector and the tile: AVX-512 has 32 registers (16 accumulators, 4 weight vectors, an
 // input's), AVX and SSE 16 (12 accumulators and 4 weight vectors; the input a memory operand of each multiply-add).
 // r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
