@@ -99,15 +99,21 @@ def verify_build() -> bool:
     return True
 
 
+def compile_kernel(name: str, flags, folder: Path, verbose: bool = False):
+    """Compile csrc/few_rows.cpp with these flags into `folder` and import it (`build` compiles this machine's;
+    tests/ops/test_linear.py also compiles it for another instruction set)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name, [str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                verbose=verbose)
+
+
 def build(verbose: bool = False):
     """Compile the kernel for this machine (if not compiled already), check it in a child process, and return it
     (None if the check failed)."""
-    from torch.utils.cpp_extension import load
-
     folder = build_directory()
     folder.mkdir(parents=True, exist_ok=True)
-    load(build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-         build_directory=str(folder), verbose=verbose)
+    compile_kernel(build_name(), FLAGS, folder, verbose)
     verify_build()
     kernel.cache_clear()
     return kernel()

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from r2lm import generate
 from r2lm.ops import linear as ops_linear
-from r2lm.ops.few_rows import FLAGS, SOURCE, kernel
+from r2lm.ops.few_rows import FLAGS, compile_kernel, kernel
 from r2lm.ops.linear import FEW_ROWS, MARGIN, REFERENCE, TRIALS, TunedLinear, Tuner, install, tuner_of, uninstall
 from tests.helpers import REPO
 from tests.helpers.decoding import ar_greedy
@@ -172,12 +172,9 @@ def few_rows_kernel(request, tmp_path_factory):
         return kernel()
     if platform.machine() != "x86_64" or not ISAS[request.param] <= cpu_flags():
         pytest.skip(f"this CPU cannot run code compiled for {request.param}")
-    from torch.utils.cpp_extension import load
-
     flags = [f for f in FLAGS if not f.startswith(("-march=", "-mprefer-vector-width"))] + [f"-march={request.param}"]
     name = f"r2lm_few_rows_test_{request.param.replace('-', '_')}"
-    return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(tmp_path_factory.mktemp(name)))
+    return compile_kernel(name, flags, tmp_path_factory.mktemp(name))
 
 
 def test_the_kernel_is_f_linear_for_every_remainder(few_rows_kernel):

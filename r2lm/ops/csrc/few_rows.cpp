@@ -11,8 +11,10 @@
 // input's), AVX and SSE 16 (12 accumulators and 4 weight vectors; the input a memory operand of each multiply-add).
 // r2lm/ops/few_rows.py builds it and r2lm/ops/linear.py uses it where it measured faster than torch's own products.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // (x86 only: elsewhere, e.g. on ARM, the plain vector code below)
+#endif
 
 #if defined(__AVX512F__)
 constexpr int LANES = 16, MB = 4;
