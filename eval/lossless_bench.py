@@ -16,9 +16,11 @@ or after --new-tokens tokens.
 
 speed      per category and batch size, one run interleaved a batch at a time (a drift in a shared host's speed
            falls on every decoder alike), each decoder timed over all the batches; each of --repeats passes runs
-           the decoders in another order (the first pass AR first, the next the second decoder first, ...), and
-           each batch's fastest decode counts (a shared machine's noise only adds time, and comes and goes faster
-           than a pass lasts; no decoder always follows the same one):
+           the decoders in another order (the first pass AR first, the next the second decoder first, ...; no
+           decoder always follows the same one) with AR decoded again before every 3 of them: a cell's × AR is the
+           median over passes of each decoder's seconds against the AR decodes just before and after it (a shared
+           VM's speed drifts by 10-40% over minutes, less over the seconds between neighbours), and tokens/s counts
+           each batch's fastest decode (noise only adds time):
              ar                     the target without sidecars, block_size=1, KV cache: its greedy AR decoding
              ar_again               the same decoding again, timed as a decoder of its own: its × AR is what two
                                     identical decoders differ by in this run (the noise floor of every cell; a

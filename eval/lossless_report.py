@@ -13,7 +13,10 @@ BEGIN, END = "<!-- lossless decoding: begin (eval/lossless_bench.py) -->", "<!--
 # how a speed part's seconds were taken from its passes (a part measured before "timing" was recorded: the median)
 TIMINGS = {"median": "each decoder's median pass",
            "fastest": "each decoder's fastest pass, the decoders in another order each pass",
-           "fastest batch": "each batch's fastest decode, the decoders in another order each pass"}
+           "fastest batch": "each batch's fastest decode, the decoders in another order each pass",
+           "bracketed": "AR tokens/s from each batch's fastest decode; × AR the median over passes of a decoder's "
+                        "seconds against the AR decodes just before and after it (AR is decoded before every few "
+                        "decoders), the decoders in another order each pass"}
 # ar_again (AR decoded again, as a decoder of its own) within this of AR in every cell: the machine was quiet enough
 # for the cells to tell a decoder from AR to a few percent (outside it, a load came and went during the run)
 QUIET = (0.97, 1.03)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -17,6 +18,7 @@ from r2lm.generation.costs import measured_tables
 from r2lm.generation.drafts import DRAFTS
 
 logger = logging.getLogger("eval.lossless_speed")
+AR_EVERY = 3  # decoders timed between two AR decodes of a batch (each pass: 1 / AR_EVERY more decodes)
 
 
 def speed_decoders(s, block_size: int, policies: list[str], untrained: bool, siblings: list[int] = (3,)) -> dict:
@@ -54,10 +56,25 @@ def speed_decoders(s, block_size: int, policies: list[str], untrained: bool, sib
     return decoders
 
 
+def bracketed(order: list[str]) -> list[str]:
+    """One pass's decodes of a batch: `order` (without "ar") with AR decoded before every AR_EVERY decoders and once
+    after the last, so that each decoder is timed between two AR decodes."""
+    others = [name for name in order if name != "ar"]
+    out = []
+    for start in range(0, len(others), AR_EVERY):
+        out += ["ar", *others[start : start + AR_EVERY]]
+    return [*out, "ar"]
+
+
 def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: int, pad: int,
           peers: dict | None = None) -> dict:
     """tokens/s, τ and output checks of every decoder over the same batches, interleaved a batch at a time; `peers`:
-    vLLM's rows over the same batches (eval.vllm_peer.measure_peers), checked and counted alike."""
+    vLLM's rows over the same batches (eval.vllm_peer.measure_peers), checked and counted alike.
+
+    Each pass times every decoder between two AR decodes of the same batch (`bracketed`): a pass's × AR is the
+    decoder's seconds against the mean of those two, summed over the batches; a cell is the median over passes.
+    A VM's speed drifts by more than the few percent a cell tells apart over the minutes a pass takes, and
+    less over the seconds between a decoder and the AR decodes around it."""
     order = speed_batches(torch.arange(len(prompts))[:, None], args.speed_prompts, batch)
     batches = [left_pad([prompts[i] for i in rows[:, 0].tolist()], pad) for rows in order]
     runs = {name: run for name, (run, single_row) in decoders.items() if batch == 1 or not single_row}
@@ -65,18 +82,30 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
     for run in runs.values():  # warm-up: the tuner times its product orders on first use of each shape
         run(*batches[0], min(n, 16))
     times, results = {name: [[] for _ in batches] for name in runs}, {}  # name -> per batch, each pass's seconds
-    with tqdm(total=args.repeats * len(batches) * len(runs), desc=f"speed {category} batch {batch}",
+    # name -> per pass, [the AR decodes around it, its own] seconds summed over the batches
+    against_ar = {name: [[0.0, 0.0] for _ in range(args.repeats)] for name in runs if name != "ar"}
+    names = list(runs)
+    with tqdm(total=args.repeats * len(batches) * len(bracketed(names)), desc=f"speed {category} batch {batch}",
               unit="decode", dynamic_ncols=True) as progress:
-        names = list(runs)
         for repeat in range(args.repeats):
             outputs = {name: [] for name in runs}
-            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            sequence = bracketed(names[repeat % len(names):] + names[: repeat % len(names)])
             for index, (ids, mask) in enumerate(batches):
-                for name in order:
+                seconds = []
+                for name in sequence:
                     start = time.perf_counter()
-                    outputs[name].append(runs[name](ids, mask, n))
-                    times[name][index].append(time.perf_counter() - start)
+                    decoded = runs[name](ids, mask, n)
+                    seconds.append(time.perf_counter() - start)
+                    times[name][index].append(seconds[-1])
+                    if len(outputs[name]) <= index:
+                        outputs[name].append(decoded)
                     progress.update(1)
+                for at, name in enumerate(sequence):
+                    if name != "ar":
+                        before = max(i for i in range(at) if sequence[i] == "ar")
+                        after = min(i for i in range(at, len(sequence)) if sequence[i] == "ar")
+                        against_ar[name][repeat][0] += (seconds[before] + seconds[after]) / 2
+                        against_ar[name][repeat][1] += seconds[at]
             for name in runs:
                 results.setdefault(name, outputs[name])  # the first pass's outputs
     for name, measured in (peers or {}).items():
@@ -90,6 +119,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
              "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
                           if name.startswith(("verify:", "vllm_"))},
              "seconds": {name: sum(map(min, t)) for name, t in times.items()},
+             "against_ar": against_ar,
              "differing_rows": differing}
     if "threshold" in results:  # rows computed against rows decoding, and against every row in every forward
         out = results["threshold"]
@@ -102,7 +132,10 @@ def with_ratios(entry: dict) -> dict:
     """An entry's derived figures from its tokens, forwards, seconds and differing rows."""
     tps = {name: entry["tokens"][name] / max(s, 1e-9) for name, s in entry["seconds"].items()}
     tau = {name: entry["tokens"][name] / max(f, 1) for name, f in entry["forwards"].items()}
+    # tokens/s against AR's (vLLM's rows, timed apart), or a decoder's median pass against the AR decodes around it
     vs_ar = {name: v / tps["ar"] for name, v in tps.items()}
+    vs_ar |= {name: float(np.median([ar / max(own, 1e-9) for ar, own in passes]))
+              for name, passes in entry.get("against_ar", {}).items()}
     out = {**entry, "tokens_per_s": tps, "vs_ar": vs_ar, "tau": tau,
            "step_cost_vs_ar": {name: tau[name] / vs_ar[name] for name in tau},
            "verify_is_ar": all(entry["differing_rows"][name] == 0 for name in tau),
@@ -114,9 +147,13 @@ def with_ratios(entry: dict) -> dict:
 
 
 def total(entries: list[dict]) -> dict:
-    """The categories of one batch size together: tokens, forwards, seconds and differing rows summed."""
+    """The categories of one batch size together: tokens, forwards, seconds and differing rows summed (each pass's
+    seconds against AR's too)."""
     summed = {key: {name: sum(e[key][name] for e in entries) for name in entries[0][key]}
               for key in ("tokens", "forwards", "seconds", "differing_rows", "threshold_rows") if key in entries[0]}
+    if all("against_ar" in e for e in entries):
+        summed["against_ar"] = {name: np.sum([e["against_ar"][name] for e in entries], 0).tolist()
+                                for name in entries[0]["against_ar"]}
     return with_ratios({"prompts": sum(e["prompts"] for e in entries), **summed})
 
 
@@ -143,7 +180,7 @@ def measure_speed(s, prompts: dict, args, settings: dict) -> dict:
                 for name, d in s.drafters.items()}
     windows = {name: {"path": name_of(path), "sidecar_layers": m.config.sidecar_layers, "block_size": m.config.block_size}
                for (name, path), m in zip(args.window, s.windows.values(), strict=True)}
-    return {"settings": settings, "timing": "fastest batch", "reference": s.reference,
+    return {"settings": settings, "timing": "bracketed", "reference": s.reference,
             "windows": windows, "prompt_ids": {c: [i for i, _ in ps] for c, ps in prompts.items()},
             "prompt_tokens": {c: [len(ids) for _, ids in ps] for c, ps in prompts.items()}, "drafters": drafters,
             "batches": per_batch, "costs": step_costs(s)}

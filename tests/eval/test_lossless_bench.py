@@ -134,7 +134,10 @@ def test_the_bench_writes_json_png_and_only_its_section(inputs):
     assert text.startswith(DOCS + "\n" + BEGIN + "\n## Lossless decoding\n")
     assert text.endswith(END + "\n\nafter\n") and "placeholder" not in text
     assert "verify:lookup+untrained" in text and "| prose | 2 |" in text and "| run | 3 |" in text
-    assert speed["timing"] == "fastest batch" and "each batch's fastest decode" in text
+    assert speed["timing"] == "bracketed" and "the AR decodes just before and after it" in text
+    for e in speed["batches"]["1"].values():  # every decoder but AR timed against the AR decodes around it each pass
+        assert set(e["against_ar"]) == set(e["vs_ar"]) - {"ar"} and all(
+            len(passes) == speed["settings"]["repeats"] and min(map(min, passes)) > 0 for passes in e["against_ar"].values())
     # the costs the policy measured, by source: a forward of each width at the call's rows and at one row
     assert set(speed["costs"]) == {"lookup", "window", "untrained", "lookup+untrained", "fresh", "lookup+fresh", "table",
                                    "lookup+table", "lookup+table+untrained", "lookup+table+fresh"}
@@ -182,6 +185,26 @@ def test_curves_of_other_runs_measured_before_stay_beside_the_new_ones():
     slope, first, last = per_doubling(points, ["code", "chat"])
     assert slope == pytest.approx(0.1) and (first, last) == (8_000_000, 32_000_000)
     assert per_doubling(points[:1], ["code"]) is None
+
+
+def test_each_decoder_is_timed_between_two_ar_decodes():
+    sequence = lossless_speed.bracketed(["x", "ar", "a", "b", "c", "d", "e"])
+    assert sequence == ["ar", "x", "a", "b", "ar", "c", "d", "e", "ar"] and lossless_speed.AR_EVERY == 3
+    assert lossless_speed.bracketed(["ar"]) == ["ar"]  # AR alone: timed once
+
+
+def test_a_cell_is_the_median_pass_against_the_ar_decodes_around_it():
+    """A pass's × AR is the decoder's seconds against the AR decodes around it; a cell the median over passes, the
+    categories together summing each pass's seconds (tokens/s still counts each batch's fastest decode)."""
+    def entry(passes):
+        return {"prompts": 1, "tokens": {"ar": 100, "x": 100}, "forwards": {"x": 50},
+                "seconds": {"ar": 1.0, "x": 2.0}, "differing_rows": {"x": 0}, "against_ar": {"x": passes}}
+
+    one = lossless_speed.with_ratios(entry([[1.0, 1.0], [1.0, 2.0], [3.0, 2.0]]))
+    assert one["vs_ar"] == {"ar": 1.0, "x": 1.0} and one["tokens_per_s"]["x"] == 50.0
+    assert one["step_cost_vs_ar"]["x"] == 2.0  # τ 2 at 1.0x AR: a step costs two AR steps
+    both = lossless_speed.total([entry([[1.0, 1.0], [1.0, 2.0], [3.0, 2.0]]), entry([[3.0, 1.0], [1.0, 2.0], [1.0, 2.0]])])
+    assert both["against_ar"]["x"] == [[4.0, 2.0], [2.0, 4.0], [4.0, 4.0]] and both["vs_ar"]["x"] == 1.0
 
 
 def test_a_run_whose_identical_decoders_differ_is_marked_not_quiet():
