@@ -44,8 +44,9 @@ speed      per category and batch size, one run interleaved a batch at a time (a
                                     engine per row after r2lm's rows (a separate process: not interleaved)
            τ = generated tokens / the verification forwards each row took part in (generate's new_tokens /
            row_steps): the forward that reads the prompt (which commits the first token, from a draft only where
-           lookup finds one in the prompt) counts; tokens past a row's EOS or --new-tokens do not. tokens/s =
-           generated tokens (each row up to its EOS) / seconds. `step_cost_vs_ar` = τ / (tokens/s / AR tokens/s):
+           lookup finds one in the prompt) counts, tokens past a row's EOS or --new-tokens do not; forwards: the
+           mean over the timed passes (the policy keeps learning from one call to the next). tokens/s = generated
+           tokens (each row up to its EOS) / seconds. `step_cost_vs_ar` = τ / (tokens/s / AR tokens/s):
            one verification step (drafting included) in AR steps. Every output is compared token for token with
            AR's, and AR's with transformers'. "all" sums tokens, forwards and seconds over the categories.
 humaneval  pass@1 of greedy replies to the first --humaneval-problems HumanEval problems, each asked for in a chat

@@ -84,6 +84,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
     times, results = {name: [[] for _ in batches] for name in runs}, {}  # name -> per batch, each pass's seconds
     # name -> per pass, [the AR decodes around it, its own] seconds summed over the batches
     against_ar = {name: [[0.0, 0.0] for _ in range(args.repeats)] for name in runs if name != "ar"}
+    forwards = dict.fromkeys(runs, 0)  # every pass's, of the first decode of each batch (the policy learns across calls)
     names = list(runs)
     with tqdm(total=args.repeats * len(batches) * len(bracketed(names)), desc=f"speed {category} batch {batch}",
               unit="decode", dynamic_ncols=True) as progress:
@@ -99,6 +100,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
                     times[name][index].append(seconds[-1])
                     if len(outputs[name]) <= index:
                         outputs[name].append(decoded)
+                        forwards[name] += decoded.forwards or 0
                     progress.update(1)
                 for at, name in enumerate(sequence):
                     if name != "ar":
@@ -116,8 +118,9 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
                  for name, out in results.items() if name not in ("ar", "threshold")}
     entry = {"prompts": len(batches) * batch,
              "tokens": {name: sum(d.tokens for d in out) for name, out in results.items()},
-             "forwards": {name: sum(d.forwards for d in out) for name, out in results.items()
-                          if name.startswith(("verify:", "vllm_"))},
+             # τ over every timed pass (a pass's policy has learnt from the passes before it)
+             "forwards": {name: forwards[name] / args.repeats if name in forwards else sum(d.forwards for d in out)
+                          for name, out in results.items() if name.startswith(("verify:", "vllm_"))},
              "seconds": {name: sum(map(min, t)) for name, t in times.items()},
              "against_ar": against_ar,
              "differing_rows": differing}
