@@ -98,7 +98,7 @@ def speed(category: str, prompts: list[list[int]], decoders: dict, args, batch: 
                     decoded = runs[name](ids, mask, n)
                     seconds.append(time.perf_counter() - start)
                     times[name][index].append(seconds[-1])
-                    if len(outputs[name]) <= index:
+                    if len(outputs[name]) <= index:  # (AR decodes a batch several times a pass: its first)
                         outputs[name].append(decoded)
                         forwards[name] += decoded.forwards or 0
                     progress.update(1)
