@@ -17,7 +17,7 @@
 
 Each prompt is answered alone (a chat answers one user at a time) through the tokenizer's chat template; every
 decoder is warmed up once before it is timed, then timed over --passes passes, the decoders in another order for each
-prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py times them); after the first
+prompt of each pass, each prompt's fastest decode counting (as eval/lossless_bench.py counts tokens/s); after the first
 pass, only the lines within 2x of AR's speed either way are timed again (noise cannot carry the others across AR's;
 a shared machine's first pass can run markedly slower than its second, AR's included, and a narrow band then froze
 lines at their first pass's figures: docs/results.md, "The chat demo's passes"). Prints the answers, then a table
