@@ -68,9 +68,23 @@ def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("r2lm::few_rows", mutates_args=())
+def few_rows_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel as a torch operator: torch.compile keeps it in its graph, where a plain call would break the graph
+    at every product (and a decode step would run as many small compiled pieces)."""
+    return kernel().few_rows(x, weight)
+
+
+@few_rows_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear's product by r2lm's few-row kernel (r2lm/ops/few_rows.py; it must be built)."""
-    out = kernel().few_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
+    """F.linear's product by r2lm's few-row kernel (r2lm/ops/few_rows.py; it must be built): called directly, or as
+    an operator inside torch.compile (eager calls skip the operator's dispatch)."""
+    product = few_rows_op if torch.compiler.is_compiling() else kernel().few_rows
+    out = product(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -118,6 +132,7 @@ class Tuner:
         self.trials: dict[tuple, dict[str, list[float]]] = {}  # class -> order -> times
         self.chosen: dict[tuple, str] = {}  # class -> the order used
         self.timed = 0  # products timed so far (read every decode step: a count, not a sum over the classes)
+        self.threads = torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -127,7 +142,10 @@ class Tuner:
             return F.linear(x, weight, bias)
         if self.order is not None:
             return ORDERS[self.order](x, weight, bias)
-        key = (rows, *weight.shape, torch.get_num_threads())
+        # (torch.compile traces no call of get_num_threads: a compiled step reads the count eager calls last saw)
+        if not torch.compiler.is_compiling():
+            self.threads = torch.get_num_threads()
+        key = (rows, *weight.shape, self.threads)
         chosen = self.chosen.get(key)
         if chosen is None:
             if torch.compiler.is_compiling():  # no timing inside a traced graph

@@ -315,6 +315,26 @@ def test_decisions_from_elsewhere_are_refused_by_name(tmp_path):
         Tuner.load(path)
 
 
+@pytest.mark.slow  # (compiles a decode step)
+@pytest.mark.skipif(kernel() is None, reason="the few-row kernel is not built on this machine")
+def test_a_compiled_decode_step_keeps_the_kernel_in_its_graph():
+    """Under compile=True the kernel is a torch operator (its shape function checked by torch.library.opcheck): the
+    compiled step has no graph break (a plain call broke it at every product, and the pieces recompiled per layer
+    until dynamo gave up), and it decodes what eager decoding does."""
+    from torch._dynamo.utils import counters
+
+    torch.library.opcheck(ops_linear.few_rows_op, (torch.randn(3, 40), torch.randn(7, 40)))
+    model = peaky()
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
+    install(model, Tuner("kernel"))
+    eager = generate(model, ids, max_new_tokens=6, block_size=1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(model, ids, max_new_tokens=6, block_size=1, compile=True)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] > 0
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
 @pytest.mark.parametrize("kind", [dict(sidecar_layers=[1, 3]), dict(sidecar_layers=[1], hybrid_layers=[0, 2],
                                                                     hybrid_feature_dim=8)], ids=["r2lm", "r2lm+hybrid"])
 def test_decoding_through_the_transposed_order_keeps_the_cache_exact(kind):
