@@ -132,7 +132,7 @@ class Tuner:
         self.trials: dict[tuple, dict[str, list[float]]] = {}  # class -> order -> times
         self.chosen: dict[tuple, str] = {}  # class -> the order used
         self.timed = 0  # products timed so far (read every decode step: a count, not a sum over the classes)
-        self.threads = torch.get_num_threads()
+        self.threads = torch.get_num_threads()  # torch's thread count, as the last eager call saw it
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -142,7 +142,7 @@ class Tuner:
             return F.linear(x, weight, bias)
         if self.order is not None:
             return ORDERS[self.order](x, weight, bias)
-        # (torch.compile traces no call of get_num_threads: a compiled step reads the count eager calls last saw)
+        # (torch.get_num_threads breaks a torch.compile graph: a compiled step reads the count eager calls last saw)
         if not torch.compiler.is_compiling():
             self.threads = torch.get_num_threads()
         key = (rows, *weight.shape, self.threads)
