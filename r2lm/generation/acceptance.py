@@ -23,6 +23,7 @@ class Acceptance:
         self.pooled = self.prior.copy()
         self.accepted = np.zeros((BUCKETS, POSITIONS))
         self.tried = np.zeros((BUCKETS, POSITIONS))
+        self.made: np.ndarray | None = None  # `cells()`, made again after each update
         # steps since a costly source last drafted, counted across calls like the estimates: calls shorter than
         # the probe interval still probe it now and then
         self.idle = 0
@@ -36,17 +37,20 @@ class Acceptance:
         """The pooled rate: accepted / tried over every observation, with the prior's pseudo-counts."""
         return float(self.pooled[0] / self.pooled[1])
 
-    def q(self, confidence: np.ndarray) -> np.ndarray:
-        """[R, b] estimates for drafts' tokens (confidence [R, b], positions 0 .. b - 1)."""
-        position = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
-        index = self.cell(confidence, position)
-        return (self.accepted[index] + CELL_PRIOR * self.rate()) / (self.tried[index] + CELL_PRIOR)
+    def cells(self) -> np.ndarray:
+        """[BUCKETS, POSITIONS]: each cell's estimate, drawn towards the pooled rate (a token's: the cell of its
+        confidence and position, `cell`)."""
+        if self.made is None:
+            self.made = (self.accepted + CELL_PRIOR * self.rate()) / (self.tried + CELL_PRIOR)
+        return self.made
 
     def update(self, confidence: np.ndarray, position: np.ndarray, accepted: np.ndarray) -> None:
         decay = SOURCE_DECAY ** max(len(accepted), 1)
         self.pooled = (self.pooled - self.prior) * decay + self.prior + np.array([accepted.sum(), len(accepted)])
         self.accepted *= SOURCE_DECAY
         self.tried *= SOURCE_DECAY
-        index = self.cell(confidence, position)
-        np.add.at(self.accepted, index, accepted.astype(np.float64))
-        np.add.at(self.tried, index, 1.0)
+        bucket, position = self.cell(confidence, position)
+        flat = bucket * POSITIONS + position  # (np.add.at's per-element loop costs more than its arithmetic here)
+        self.accepted += np.bincount(flat, accepted, BUCKETS * POSITIONS).reshape(BUCKETS, POSITIONS)
+        self.tried += np.bincount(flat, None, BUCKETS * POSITIONS).reshape(BUCKETS, POSITIONS)
+        self.made = None

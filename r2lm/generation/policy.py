@@ -121,12 +121,17 @@ class Policy(ABC):
         return 0
 
     def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
-                hit: np.ndarray | None = None, seconds: float | None = None) -> None:
-        """After verification: each row's accepted count `agreed` [R] of the draft it submitted at `width`, the
-        tokens it has left to decode, `remaining` [R] (0 once it is done), with `siblings` verified beside the
-        drafts, `hit` [R]: the rank of the sibling that was the target's token (-1: none), and the step's wall
-        time `seconds` (from one host sync to the next; None for the first, which appends the prompt)."""
+                hit: np.ndarray | None = None) -> None:
+        """After verification, before the next draft is made: each row's accepted count `agreed` [R] of the draft it
+        submitted at `width`, the tokens it has left to decode, `remaining` [R] (0 once it is done), with
+        `siblings` verified beside the drafts, `hit` [R]: the rank of the sibling that was the target's token (-1:
+        none)."""
         return  # by default nothing is learnt
+
+    def took(self, seconds: float | None, columns: int, rows: int) -> None:
+        """Once the next draft is made: the step's wall time `seconds` (from one host sync to the next, its drafting
+        included; None for the first, which appends the prompt), a forward of `columns` columns over `rows` rows."""
+        return  # by default nothing is timed
 
     def keep_rows(self, stay: np.ndarray) -> None:
         """Rows that finished leave."""
@@ -172,6 +177,10 @@ class Adaptive(Policy):
         self.clocked: dict = {}  # (costs, rows) -> (the clock's version, those Prices at what steps show)
         self.learnt, self.verdicts = [0] * len(sources), {}  # per source: observations that changed its estimates
         self.tuned = None if self.costs is None else self.costs.timings()  # products the tuners timed by the last step
+        # (proposal, its q): the last estimate made, read again by choose, pays and width within a step (the
+        # estimates move only in observe, between a step's verification and its next draft)
+        self.known: tuple[Proposal, np.ndarray] | None = None
+        self.estimated = None  # `sources_now()`
 
     # --------------------------------------------------------------------------------------------- estimates
 
@@ -180,31 +189,46 @@ class Adaptive(Policy):
             self.row_accepted = np.zeros((rows, len(self.sources)))
             self.row_tried = np.zeros((rows, len(self.sources)))
 
+    def sources_now(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sources' estimates as arrays: [S] pooled rates, [S, BUCKETS, POSITIONS] their cells and their
+        siblings' cells (made again once they learn: a step reads them several times)."""
+        if self.estimated is None:
+            drafts, siblings = ([kept[name] for name in self.sources] for kept in (self.estimates, self.sibling_estimates))
+            self.estimated = (np.array([e.rate() for e in drafts]), np.stack([e.cells() for e in drafts]),
+                              np.stack([e.cells() for e in siblings]))
+        return self.estimated
+
     def row_rate(self, source: int) -> np.ndarray:
         """[R]: each row's running acceptance rate of a source, drawn towards the source's own rate."""
-        overall = self.estimates[self.sources[source]].rate()
-        return (self.row_accepted[:, source] + ROW_PRIOR * overall) / (self.row_tried[:, source] + ROW_PRIOR)
+        return self.row_rates()[:, source]
+
+    def row_rates(self) -> np.ndarray:
+        """[R, S]: `row_rate` of every source."""
+        return (self.row_accepted + ROW_PRIOR * self.sources_now()[0]) / (self.row_tried + ROW_PRIOR)
 
     def q(self, proposal: Proposal) -> np.ndarray:
-        """[R, b]: each draft token's estimated acceptance given the ones before it (0 at [MASK])."""
+        """[R, b]: each draft token's estimated acceptance given the ones before it (0 at [MASK]): its cell's
+        estimate, scaled by the row's running rate against the source's."""
+        if self.known is not None and self.known[0] is proposal:
+            return self.known[1]
         self._rows(proposal.draft.shape[0])
-        q = np.zeros(proposal.draft.shape)
-        for index, name in enumerate(self.sources):
-            rows = proposal.source == index
-            if rows.any():
-                estimate = self.estimates[name]
-                scale = self.row_rate(index)[rows] / max(estimate.rate(), 1e-6)
-                q[rows] = np.clip(estimate.q(proposal.confidence[rows]) * scale[:, None], 0, MAX_Q)
-        return q * (proposal.draft != self.mask_id)
+        rate, cells, _ = self.sources_now()
+        source = proposal.source
+        bucket, position = Acceptance.cell(proposal.confidence, np.arange(proposal.draft.shape[1]))
+        scale = self.row_rates()[np.arange(len(source)), source] / np.maximum(rate[source], 1e-6)
+        q = np.minimum(cells[source[:, None], bucket, position] * scale[:, None], MAX_Q)
+        q *= proposal.draft != self.mask_id
+        self.known = proposal, q
+        return q
 
     def sibling_q(self, proposal: Proposal) -> np.ndarray:
         """[R, K]: each sibling's estimated chance of being the target's token (0 at [MASK]); the events are
         disjoint from each other's and from the draft's first token's."""
-        q = np.zeros(proposal.siblings.shape)
-        for index, name in enumerate(self.sources):
-            rows = proposal.source == index
-            if rows.any() and q.shape[1]:
-                q[rows] = np.clip(self.sibling_estimates[name].q(proposal.sibling_confidence[rows]), 0, MAX_Q)
+        siblings = proposal.siblings.shape[1]
+        if not siblings:
+            return np.zeros(proposal.siblings.shape)
+        bucket, position = Acceptance.cell(proposal.sibling_confidence, np.arange(siblings))
+        q = np.minimum(self.sources_now()[2][proposal.source[:, None], bucket, position], MAX_Q)
         return q * (proposal.siblings != self.mask_id) * (proposal.draft[:, :1] != self.mask_id)
 
     @staticmethod
@@ -274,14 +298,15 @@ class Adaptive(Policy):
         at_least[:, :, 2:] = np.cumprod(q[:, : b - 1], 1)
         if sibling is not None and b > 1:  # the draft's first token or a sibling: disjoint events
             at_least[:, :, 2] = np.minimum(at_least[:, :, 2] + sibling, 1.0)
-        gap = np.zeros(rows, dtype=np.int64)  # how far each row is behind the row with most left
-        if self.remaining is not None:
+        # the most left falls by >= k iff every row commits >= k - its gap, how far it is behind the row with most
+        # left (a forward commits at most its width, and k - gap <= k <= width: the width never cuts this)
+        if self.remaining is None:  # (no gaps)
+            lead = at_least[:, :, 1:].prod(1)
+        else:
             at_least[:, np.arange(b + 1)[None, :] > self.remaining[:, None]] = 0  # never more than it has left
             gap = (self.remaining.max() - self.remaining).astype(np.int64)
-        # the most left falls by >= k iff every row commits >= k - its gap (a forward commits at most its width,
-        # and k - gap <= k <= width: the width never cuts this)
-        need = np.clip(np.arange(1, b + 1)[None, :] - gap[:, None], 0, None)
-        lead = np.take_along_axis(at_least, need[None], 2).prod(1)
+            need = np.maximum(np.arange(1, b + 1)[None, :] - gap[:, None], 0)
+            lead = at_least[:, np.arange(rows)[:, None], need].prod(1)
         out = (ar - per_row * rows) * np.cumsum(lead, -1) + per_row * np.cumsum(at_least[:, :, 1:].sum(1), -1)
         return out[0] if sibling is None else out
 
@@ -325,11 +350,14 @@ class Adaptive(Policy):
         drafted = np.stack([c.draft[:, 0] != self.mask_id for c in candidates])
         if (drafted.sum(0) < 2).all():
             return super().choose(candidates)
-        out, value = candidates[0], self.expected(self.q(candidates[0]))[:, -1]
+        out, q = candidates[0], self.q(candidates[0])
+        value = self.expected(q)[:, -1]
         for other in candidates[1:]:
-            mine = self.expected(self.q(other))[:, -1]
-            out = out.where(mine > value, other)
+            theirs = self.q(other)
+            mine = self.expected(theirs)[:, -1]
+            out, q = out.where(mine > value, other), np.where((mine > value)[:, None], theirs, q)
             value = np.maximum(value, mine)
+        self.known = out, q  # each row's estimates are its candidate's
         return out
 
     def worth(self, source: str, free: Proposal | None, rows: int) -> bool:
@@ -401,16 +429,19 @@ class Adaptive(Policy):
             return 0
         return self.decided[2]
 
-    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
-                hit: np.ndarray | None = None, seconds: float | None = None) -> None:
-        self._rows(proposal.draft.shape[0])
+    def took(self, seconds, columns, rows) -> None:
         # a step in which the model's tuner timed products (a row count new to it: rows left the batch) took what
         # that timing took, many forwards' worth: it says nothing of the forwards' prices
         timings = None if self.costs is None else self.costs.timings()
         tuned, self.tuned = timings != self.tuned, timings
         if seconds is not None and not tuned:
-            self.timed(seconds, width + siblings, proposal.draft.shape[0])
+            self.timed(seconds, columns, rows)
         self.drafted, self.drafting = self.drafting, False
+
+    def observe(self, proposal: Proposal, width: int, agreed: np.ndarray, remaining: np.ndarray, siblings: int = 0,
+                hit: np.ndarray | None = None) -> None:
+        self._rows(proposal.draft.shape[0])
+        self.known = self.estimated = None  # the estimates move
         if siblings:
             self.observe_siblings(proposal, siblings, hit)
         self.remaining = remaining
@@ -423,18 +454,18 @@ class Adaptive(Policy):
         tried = np.minimum(submitted, agreed + 1)  # tokens verification looked at: the accepted, the first refused
         positions = np.arange(width)
         looked = positions[None, :] < tried[:, None]
-        for index, name in enumerate(self.sources):
-            rows = (proposal.source == index) & (submitted > 0)
-            if not rows.any():
-                continue
+        accepted = positions[None, :] < agreed[:, None]
+        drafted = submitted > 0
+        for index in np.unique(proposal.source[drafted]).tolist():
+            rows = (proposal.source == index) & drafted
             self.learnt[index] += 1
             seen = looked & rows[:, None]
-            self.estimates[name].update(proposal.confidence[:, :width][seen],
-                                        np.broadcast_to(positions, seen.shape)[seen],
-                                        (positions[None, :] < agreed[:, None])[seen])
-            decay = np.where(rows, ROW_DECAY, 1.0)
-            self.row_accepted[:, index] = self.row_accepted[:, index] * decay + np.where(rows, agreed, 0)
-            self.row_tried[:, index] = self.row_tried[:, index] * decay + np.where(rows, tried, 0)
+            self.estimates[self.sources[index]].update(proposal.confidence[:, :width][seen], seen.nonzero()[1],
+                                                       accepted[seen])
+        rows = (proposal.source[:, None] == np.arange(len(self.sources))) & drafted[:, None]  # [R, S]
+        decay = np.where(rows, ROW_DECAY, 1.0)
+        self.row_accepted = self.row_accepted * decay + rows * agreed[:, None]
+        self.row_tried = self.row_tried * decay + rows * tried[:, None]
 
     def observe_siblings(self, proposal: Proposal, siblings: int, hit: np.ndarray) -> None:
         """Every sibling verified is an observation at its rank: accepted where it was the target's token."""
@@ -448,6 +479,7 @@ class Adaptive(Policy):
                                                     (rank == hit[:, None])[seen])
 
     def keep_rows(self, stay: np.ndarray) -> None:
+        self.known = None
         if self.row_accepted is not None:
             self.row_accepted, self.row_tried = self.row_accepted[stay], self.row_tried[stay]
         if self.remaining is not None:

@@ -63,7 +63,7 @@ layer folds its keys inside the forward, before the accepted length is known).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -299,14 +299,15 @@ def decode_verified(model, r) -> GenerateOutput:
                 stopper.advance(torch.cat([ids, s.out[:, :aligned]], 1), s.prompt_len, aligned)
                 done = stopper.finished | (s.written >= s.n)
                 over, left = torch.stack([done.all(), done[s.rows].any()]).tolist()
+            # what the step showed is learnt before the next draft is made: choosing it reads the latest estimates
+            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_)
             if not over:  # the next proposal (a drafter may run here: its time is this step's)
                 following, next_seen = drafts.settle(
                     following, None if following is None else Proposal.typed(*proposed),
                     ar_.astype(np.int64), length_.astype(np.int64))
             now = time.perf_counter()
-            policy.observe(seen, width, agreed_.astype(np.int64) - (hit_ >= 0), remaining_, k, hit_,
-                           now - clock if iterations > 1 else None)  # (the first step appends the prompt too)
-            clock = now
+            policy.took(now - clock if iterations > 1 else None, width + k, len(agreed_))  # (the first step appends
+            clock = now  # the prompt too)
             if over:
                 break
             proposal, seen = following, next_seen
@@ -319,7 +320,7 @@ def decode_verified(model, r) -> GenerateOutput:
                     drafts.keep_rows(stay, staying)
                     policy.keep_rows(staying)
                 else:  # (compile=True) a row that is done stays, and submits nothing
-                    seen.draft[~staying] = r.mask_id
+                    seen = replace(seen, draft=np.where(staying[:, None], seen.draft, r.mask_id))
             width = drafts.width(seen)
     finally:
         s.context.close()

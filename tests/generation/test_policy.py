@@ -341,9 +341,9 @@ def test_steps_that_take_longer_than_priced_make_drafting_dearer():
             policy.start(("drafter",), (1, 2, 3, 4), ScriptedCosts(forward, drafting), 99)
         used = []
         for _ in range(30):  # each step: decide on the drafter, verify its draft at width 2, take the step's time
+            policy.observe(shown, 2, np.array([1]), np.array([100]))
             used.append(policy.worth("drafter", None, 1))
-            policy.observe(shown, 2, np.array([1]), np.array([100]),
-                           seconds=forward(1, 2) + (drafting(1) * extra if used[-1] else 0.0))
+            policy.took(forward(1, 2) + (drafting(1) * extra if used[-1] else 0.0), 2, 1)
         return used
 
     assert all(decisions(extra=1.0))
@@ -366,7 +366,8 @@ def test_a_width_whose_steps_cost_more_than_priced_is_left_for_another():
     chosen = []
     for _ in range(20):
         chosen.append(policy.width(sure))
-        policy.observe(sure, chosen[-1], np.array([chosen[-1] - 1]), np.array([100]), seconds=took(chosen[-1]))
+        policy.observe(sure, chosen[-1], np.array([chosen[-1] - 1]), np.array([100]))
+        policy.took(took(chosen[-1]), chosen[-1], 1)
     assert chosen[0] == 3 and chosen.count(3) <= 4 and set(chosen[-10:]) == {2}
 
 
@@ -389,7 +390,6 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     enough that the measurement is a small share of their time (REMEASURE_BUDGET); a table whose wider forward
     came out cheaper than a narrower one is timed again at once; steps that stay slower than their forwards after
     a new measurement agreed with the old one (a fixed cost beside the forward) do not make it measure on."""
-    nothing = Proposal(np.full((1, 4), 99), np.zeros((1, 4)), np.array([0]))
     calls = 3 * (1 + COST_TRIALS)  # a measurement at one row: widths 1, 2, 4, each run once untimed, then timed
     slowed = {"any": calls}
     costs = MeasuredCosts(slowed_forwards(slowed), [1, 2, 4], None, torch.device("cpu"))
@@ -398,10 +398,10 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
     for _ in range(12):  # AR steps, at what they take without the load: too few to pay for a measurement
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.012)
+        policy.took(0.012, 1, 1)
     assert costs.remeasures == 0
     for _ in range(5000):  # enough that a measurement is within REMEASURE_BUDGET of what they took
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=0.012)
+        policy.took(0.012, 1, 1)
     assert costs.remeasures == 1 and costs.verify(1, 1) < 0.024 and not costs.settled
     assert costs.remeasuring <= REMEASURE_BUDGET * policy.clock.seconds
     assert 0.5 < policy.clock.forward < 2 and policy.price(1).ar < 0.024  # priced at the new measurement
@@ -417,7 +417,7 @@ def test_a_measurement_that_met_a_passing_load_is_measured_again():
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), steady, 99)
     for _ in range(3000):  # every step three times its forward
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=3 * steady.verify(1, 1))
+        policy.took(3 * steady.verify(1, 1), 1, 1)
     assert steady.remeasures == 1 and steady.settled
 
 
@@ -432,15 +432,14 @@ def test_a_step_in_which_the_tuner_timed_products_does_not_price_the_forwards():
     costs.measure(1)
     policy = Adaptive()
     policy.start(("lookup",), (1, 2, 3, 4), costs, 99)
-    nothing = Proposal(np.full((1, 4), 99), np.zeros((1, 4)), np.array([0]))
     slow = 10 * costs.verify(1, 1)
     for rows in range(1, 13):  # each step, the tuner times a class it has not seen: a row count new to it
         with torch.no_grad():
             layer(torch.randn(rows, 64))
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)
+        policy.took(slow, 1, 1)
     assert costs.remeasures == 0 and policy.clock.forward == 1.0 and np.isnan(policy.clock.columns[1])
     for _ in range(1000):  # steps as slow, with no tuning in them: the prices are in doubt (once steps have taken
-        policy.observe(nothing, 1, np.array([0]), np.array([100]), seconds=slow)  # long enough to pay for measuring)
+        policy.took(slow, 1, 1)  # long enough to pay for measuring)
     # (at least once: whether a sleep-timed measurement agrees with the last one closely enough to settle depends on
     # the machine's load, not on what is tested here)
     assert costs.remeasures >= 1

@@ -32,7 +32,7 @@ class Siblings(Policy):
     def siblings(self, proposal, width):
         return self.most_siblings
 
-    def observe(self, proposal, width, agreed, remaining, siblings=0, hit=None, seconds=None):
+    def observe(self, proposal, width, agreed, remaining, siblings=0, hit=None):
         if siblings:
             self.hits += hit.tolist()
 
