@@ -3,6 +3,7 @@ greedy output; it takes AR steps where drafting costs more than it brings and wh
 cheap; every length works with every draft source (issue 40 item 1: max_new_tokens=1 and block_size=1 crashed)."""
 
 import math
+import re
 import time
 
 import numpy as np
@@ -214,6 +215,29 @@ def test_a_ruled_out_drafter_is_probed_across_short_calls(converted):
         generate(target, ids, max_new_tokens=10, verify=True, drafter=counting, verify_draft="drafter", block_size=4,
                  verify_siblings=0, verify_policy=Counted(costs), eos_token_id=[])
     assert Counted.asked >= 2 * every and Counting.drafts == Counted.asked // every >= 2
+
+
+def test_a_step_is_learnt_before_the_next_draft_is_chosen_and_timed_after_it(converted):
+    """Each step's outcome reaches the estimates (`observe`) before the next draft is chosen (`worth`, `choose`:
+    they read the latest estimates), and the step's time (`took`) is taken once that draft is made (a drafter's
+    forward is the step's), before the next width; the last step makes no draft."""
+    _, target, drafter = converted
+    calls = []
+
+    class Logged(Adaptive):
+        pass
+
+    for name in ("observe", "worth", "choose", "took", "width"):
+        def logged(self, *args, _name=name, **kwargs):
+            calls.append(_name)
+            return getattr(Adaptive, _name)(self, *args, **kwargs)
+        setattr(Logged, name, logged)
+    ids = left_padded(batch=1)[0]
+    ids[:, -4:] = ids[:, 2:6].clone()  # lookup has something to copy
+    generate(target, ids, max_new_tokens=12, verify=True, drafter=drafter, block_size=4, verify_policy=Logged(),
+             eos_token_id=[])
+    steps = " ".join(calls)
+    assert re.fullmatch(r"(choose )?width( observe worth( choose)? took width)+ observe took", steps), steps
 
 
 def test_a_perfect_cheap_drafter_drafts_the_whole_block(converted):
