@@ -462,10 +462,10 @@ class Adaptive(Policy):
             seen = looked & rows[:, None]
             self.estimates[self.sources[index]].update(proposal.confidence[:, :width][seen], seen.nonzero()[1],
                                                        accepted[seen])
-        rows = (proposal.source[:, None] == np.arange(len(self.sources))) & drafted[:, None]  # [R, S]
-        decay = np.where(rows, ROW_DECAY, 1.0)
-        self.row_accepted = self.row_accepted * decay + rows * agreed[:, None]
-        self.row_tried = self.row_tried * decay + rows * tried[:, None]
+        drafted_by = (proposal.source[:, None] == np.arange(len(self.sources))) & drafted[:, None]  # [R, S]
+        decay = np.where(drafted_by, ROW_DECAY, 1.0)
+        self.row_accepted = self.row_accepted * decay + drafted_by * agreed[:, None]
+        self.row_tried = self.row_tried * decay + drafted_by * tried[:, None]
 
     def observe_siblings(self, proposal: Proposal, siblings: int, hit: np.ndarray) -> None:
         """Every sibling verified is an observation at its rank: accepted where it was the target's token."""
