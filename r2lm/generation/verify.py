@@ -306,8 +306,9 @@ def decode_verified(model, r) -> GenerateOutput:
                     following, None if following is None else Proposal.typed(*proposed),
                     ar_.astype(np.int64), length_.astype(np.int64))
             now = time.perf_counter()
-            policy.took(now - clock if iterations > 1 else None, width + k, len(agreed_))  # (the first step appends
-            clock = now  # the prompt too)
+            # the step's time, its drafting included (none for the first, which appends the prompt too)
+            policy.took(now - clock if iterations > 1 else None, width + k, len(agreed_))
+            clock = now
             if over:
                 break
             proposal, seen = following, next_seen
