@@ -39,6 +39,7 @@ keeps of it) and proposes the next drafts (r2lm.generation.proposal: tokens, the
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -76,7 +77,7 @@ class Drafts(ABC):
 
     def __init__(self, state, policy: Policy, verifying):
         self.state, self.policy, self.verifying = state, policy, verifying
-        self.empty: tuple[int, Proposal] | None = None  # (rows, `nothing`'s proposal for that many rows)
+        self.empty: tuple[int, Proposal, Proposal] | None = None  # (rows, `nothing`'s proposal, on the host)
 
     @staticmethod
     def room(verifying) -> int:
@@ -100,12 +101,17 @@ class Drafts(ABC):
     def settle(self, made: Proposal | None, seen: Proposal | None, ar: np.ndarray,
                length: np.ndarray) -> tuple[Proposal, Proposal]:
         """The next proposal on the device and on the host: what `next` made and its host copy `seen`, or, where it
-        made none, the host's drafts (`on_host`), once each row's committed tokens ar[r, :length[r]] are known."""
+        made none, the host's drafts (`on_host`, timed for the policy: its host work is a cost of drafting; none
+        where the policy rests), once each row's committed tokens ar[r, :length[r]] are known."""
         if self.texts is not None:
             self.texts.extend([row[:n] for row, n in zip(ar.tolist(), length.tolist(), strict=True)])
         if made is not None:
             return made, seen
+        if self.policy.rests(len(self.state.rows)):  # drafting has not paid for its host work lately
+            return self.nothing(), self.empty[2]
+        start = time.perf_counter()
         proposal = self.on_host()
+        self.policy.hosted(time.perf_counter() - start)
         return proposal.to(self.state.device), proposal
 
     @abstractmethod
@@ -178,7 +184,8 @@ class Drafts(ABC):
         rows = len(s.rows)
         if self.empty is None or self.empty[0] != rows:
             draft = torch.full((rows, s.b), s.mask_id, dtype=torch.long, device=s.device)
-            self.empty = rows, self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+            nothing = self.proposal(draft, torch.zeros(draft.shape, device=s.device), self.sources[0])
+            self.empty = rows, nothing, nothing.host()
         return self.empty[1]
 
 

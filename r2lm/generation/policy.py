@@ -44,6 +44,9 @@ A source the estimates rule out is still tried now and then (a probe), or its es
 n-th step, n chosen so that probing costs at most PROBE_BUDGET of an AR step's time, the steps counted across calls
 (with the estimates), so that calls shorter than n steps probe too.
 
+Making and weighing drafts on the host is a cost too, paid every step: where drafting has not spared what it took,
+the policy rests from it for a few steps at a time (r2lm.generation.hostwork).
+
 What is committed never depends on these choices: every verification commits the target's own greedy tokens
 (r2lm.generation.verify). `verify_policy="longest"` always submits the whole draft (the behaviour before this
 policy), and a Policy subclass may decide otherwise (tests force AR steps, the longest drafts, or alternate them).
@@ -52,6 +55,7 @@ policy), and a Policy subclass may decide otherwise (tests force AR steps, the l
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -60,6 +64,7 @@ import numpy as np
 
 from r2lm.generation.acceptance import PRIOR, Acceptance
 from r2lm.generation.costs import StepClock, StepCosts
+from r2lm.generation.hostwork import HostWork
 from r2lm.generation.proposal import Proposal
 
 ROW_DECAY = 0.8  # a row's running rate follows its own text quickly (code, then prose)
@@ -137,6 +142,16 @@ class Policy(ABC):
         """Rows that finished leave."""
         return  # by default nothing is kept per row
 
+    def rests(self, rows: int) -> bool:
+        """Whether the next step of `rows` rows makes no draft on the host (an AR step without drafting's host work).
+        By default never."""
+        return False
+
+    def hosted(self, seconds: float) -> None:
+        """Making the next drafts on the host (the free sources', the choice between them and the drafter's, its
+        forward where it ran) took `seconds`; `width` is asked about them next."""
+        return  # by default nothing is timed
+
 
 class Longest(Policy):
     """Every draft whole: the widest forward whenever some row has a draft (before run-time decisions existed)."""
@@ -181,6 +196,8 @@ class Adaptive(Policy):
         # estimates move only in observe, between a step's verification and its next draft)
         self.known: tuple[Proposal, np.ndarray] | None = None
         self.estimated = None  # `sources_now()`
+        self.host_work = kept.setdefault((key, "host work"), HostWork())  # what drafts made on the host spare
+        self.host_work.start()
 
     # --------------------------------------------------------------------------------------------- estimates
 
@@ -412,16 +429,32 @@ class Adaptive(Policy):
 
     def width(self, proposal: Proposal) -> int:
         self.decided = None
+        start = time.perf_counter()
+        width, siblings, rate = self.chosen(proposal)
+        price = self.price(len(proposal.draft))
+        self.host_work.weigh(len(proposal.draft), (rate - 1) * price.columns[width + siblings - 1] if width > 1 else 0.0,
+                             price.draft, time.perf_counter() - start)
+        return width
+
+    def chosen(self, proposal: Proposal) -> tuple[int, int, float]:
+        """`best`'s (width, siblings, rate) for a proposal: an AR step (rate 1) where no row has a draft."""
         if len(self.widths) == 1:
-            return self.widths[0]
+            return self.widths[0], 0, 1.0
         if (proposal.draft[:, 0] == self.mask_id).all():  # no row has a draft (most steps where drafting loses)
-            return 1
+            return 1, 0, 1.0
         q = self.q(proposal)
         if not q.any():  # nothing to verify: an AR step, whatever the costs' noise
-            return 1
-        width, siblings, _ = self.best(q, sibling_q=self.sibling_q(proposal) if self.most_siblings else None)
-        self.decided = (proposal, width, siblings)
-        return width
+            return 1, 0, 1.0
+        choice = self.best(q, sibling_q=self.sibling_q(proposal) if self.most_siblings else None)
+        self.decided = (proposal, *choice[:2])
+        return choice
+
+    def hosted(self, seconds) -> None:
+        self.host_work.hosted(seconds, self.drafting)
+
+    def rests(self, rows: int) -> bool:
+        # (costs said rather than measured are in no unit of time: never weighed against seconds)
+        return self.costs is not None and self.scripted is None and self.host_work.rests(rows)
 
     def siblings(self, proposal: Proposal, width: int) -> int:
         """The siblings `width` chose with the width it returned for this proposal."""

@@ -16,6 +16,7 @@ from r2lm.drafter import Drafter, DrafterConfig
 from r2lm.generation import window
 from r2lm.generation.costs import REMEASURE_BUDGET, MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.costs import TRIALS as COST_TRIALS
+from r2lm.generation.hostwork import REST, WEIGHED
 from r2lm.generation.policy import MARGIN, PROBE_BUDGET, Adaptive, Longest, Policy
 from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
@@ -49,6 +50,19 @@ class Alternating(Policy):
         return self.widths[-1] if self.steps % 2 else 1
 
 
+class Resting(Longest):
+    """Whole drafts, and every other step none at all (as the measured policy does where drafting has not paid for
+    its host work): the drafts made on the host are skipped, not only left unverified."""
+
+    def start(self, *args, **kwargs):
+        super().start(*args, **kwargs)
+        self.asked = 0
+
+    def rests(self, rows):
+        self.asked += 1
+        return self.asked % 2 == 0
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(transformers model, its R2LM conversion without sidecars, an untrained drafter for it)."""
@@ -62,9 +76,10 @@ def options_of(source, drafter):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("policy", [AlwaysAR, Longest, Alternating, Adaptive])
+@pytest.mark.parametrize("policy", [AlwaysAR, Longest, Alternating, Resting, Adaptive])
 def test_no_policy_changes_the_output(converted, source, policy):
-    """Forced choices (every step AR, every draft whole, the two alternating) and the measured policy: each gives
+    """Forced choices (every step AR, every draft whole, the two alternating, every other step no draft made) and
+    the measured policy: each gives
     transformers' greedy output, over a left-padded batch, with and without an EOS that stops a row early."""
     hf, target, drafter = converted
     ids, mask = left_padded()
@@ -275,6 +290,40 @@ def test_the_policy_drafts_where_acceptance_pays_and_stops_where_confidence_fall
     assert policy.worth("drafter", None, 1)  # its tokens are mostly accepted: it pays for its forward
     policy.costs = ScriptedCosts(verify=lambda rows, width: 1.0 + 0.1 * (width - 1), draft=lambda rows: 50.0)
     assert not policy.worth("drafter", None, 1)  # a forward of 50 AR steps never pays
+
+
+def test_drafting_rests_where_it_spares_less_than_its_host_work():
+    """Making drafts on the host takes seconds of its own. Under measured costs (given to `start`: seconds), once
+    WEIGHED steps' drafts were not worth verifying (a wider forward costs 3 AR steps, lookup's unconfident drafts
+    an even chance), the host work they took was spent for nothing: REST steps of every REST + 1 then make no
+    draft. Sure drafts under cheap widths spare far more than their host work: every step makes them. Costs said
+    rather than measured (Adaptive(costs)) are in no unit of time, and never weighed against seconds."""
+    costly = ScriptedCosts(verify=lambda rows, width: 0.05 * (1 + 2 * (width - 1)))
+    cheap = ScriptedCosts(verify=lambda rows, width: 0.05 * (1 + 0.01 * (width - 1)))
+    unsure = Proposal(np.array([[1, 2, 3, 4]]), np.full((1, 4), 0.01), np.array([0]))
+    sure = Proposal(np.array([[1, 2, 3, 4]]), np.ones((1, 4)), np.array([0]))
+
+    def rested(policy, proposal, steps):
+        out = []
+        for _ in range(steps):
+            out.append(policy.rests(1))
+            if not out[-1]:  # the drafts made on the host (1 ms), then their width chosen
+                policy.hosted(1e-3)
+                policy.width(proposal)
+        return out
+
+    steps = WEIGHED + 3 * (REST + 1)
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3, 4), costly, 99)
+    assert rested(policy, unsure, steps) == [False] * WEIGHED + ([True] * REST + [False]) * 3
+    policy = Adaptive()
+    policy.start(("lookup",), (1, 2, 3, 4), cheap, 99)
+    for _ in range(20):  # lookup's sure drafts were accepted whole
+        policy.observe(sure, 4, np.array([4]), np.array([100]))
+    assert policy.width(sure) == 4 and not any(rested(policy, sure, steps))
+    said = Adaptive(costly)
+    said.start(("lookup",), (1, 2, 3, 4), None, 99)
+    assert not any(rested(said, unsure, steps))
 
 
 def test_at_one_row_a_drafter_pays_no_more_against_free_drafts_than_against_none():
