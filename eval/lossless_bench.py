@@ -19,7 +19,8 @@ speed      per category and batch size, one run interleaved a batch at a time (a
            the decoders in another order (the first pass AR first, the next the second decoder first, ...; no
            decoder always follows the same one) with AR decoded again before every 3 of them: a cell's × AR is the
            median over passes of each decoder's seconds against the AR decodes just before and after it (a shared
-           VM's speed drifts over minutes, less over the seconds between neighbours), and tokens/s counts
+           VM's speed drifts over minutes, less over the seconds between neighbours; the report gives each verified
+           cell's 90% interval over its passes too, and names the cells wholly under 0.97x), and tokens/s counts
            each batch's fastest decode (noise only adds time):
              ar                     the target without sidecars, block_size=1, KV cache: its greedy AR decoding
              ar_again               the same decoding again, timed as a decoder of its own: its × AR is what two

@@ -20,6 +20,10 @@ TIMINGS = {"median": "each decoder's median pass",
 # ar_again (AR decoded again, as a decoder of its own) within this of AR in every cell: the machine was quiet enough
 # for the cells to tell a decoder from AR to a few percent (outside it, a load came and went during the run)
 QUIET = (0.97, 1.03)
+FLOOR = 0.97  # issue 37's target: every verified cell at least this × AR
+# Student's t at 0.95 by degrees of freedom (a 90% two-sided interval); beyond them, the normal's 1.645
+T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+       12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
 
 
 def render(results: dict) -> str:
@@ -67,8 +71,9 @@ def render(results: dict) -> str:
                            f"**Not a quiet run**: ar_again, the same AR decoding timed again, ran {lo:.2f}x-{hi:.2f}x "
                            f"AR across the cells (outside {QUIET[0]:.2f}-{QUIET[1]:.2f}x): the machine's speed moved "
                            "during the run, and cells that far from 1.00x do not tell a decoder from AR.")]
-        ones = p["batches"].get("1", {})
         verified = [k for k in shown if k.startswith("verify:")]
+        lines += interval_lines(p, verified)
+        ones = p["batches"].get("1", {})
         if ones and all("vs_transformers_lookup" in e for e in ones.values()):
             lines += ["", "Batch 1 against transformers' prompt lookup (× its tokens/s), and one verification step's "
                       "cost in AR steps (drafting included: τ / × AR):", "",
@@ -161,6 +166,51 @@ def noise_floor(speed: dict) -> tuple[float, float] | None:
     again = [e["vs_ar"]["ar_again"] for entries in speed["batches"].values() for e in entries.values()
              if "ar_again" in e["vs_ar"]]
     return (min(again), max(again)) if again else None
+
+
+def interval(passes: list) -> tuple[float, float] | None:
+    """A 90% interval of a decoder's × AR from its passes ([seconds of the AR decodes around it, its own] each):
+    Student's t over the passes' log ratios (a machine's drift scales times); None from fewer than two passes."""
+    logs = [math.log(ar / own) for ar, own in passes]
+    n = len(logs)
+    if n < 2:
+        return None
+    mean = sum(logs) / n
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1) / n)
+    t = T90[max(d for d in T90 if d <= n - 1)] if n - 1 <= max(T90) else 1.645
+    return math.exp(mean - t * spread), math.exp(mean + t * spread)
+
+
+def intervals(speed: dict, names: list[str]) -> dict:
+    """(batch, category) -> name -> `interval` over the cell's passes; "all" pools every category's passes (each a
+    sample of its own, rather than their sum)."""
+    out = {}
+    for batch, entries in speed["batches"].items():
+        for category, e in entries.items():
+            sources = [e] if category != "all" else [c for name, c in entries.items() if name != "all"]
+            out[batch, category] = {name: interval([x for c in sources for x in c["against_ar"][name]])
+                                    for name in names if all(name in c.get("against_ar", {}) for c in sources)}
+    return out
+
+
+def interval_lines(speed: dict, names: list[str]) -> list[str]:
+    """The verified cells' 90% intervals, and which of them lie wholly under FLOOR (none where the run timed each
+    decoder against the AR decodes around it fewer than twice)."""
+    found = intervals(speed, names)
+    if not any(v is not None for cell in found.values() for v in cell.values()):
+        return []
+    under = [f"{category} at batch {batch} {name.removeprefix('verify:')}" for (batch, category), cell in found.items()
+             for name, v in cell.items() if v is not None and v[1] < FLOOR]
+    reach = sum(v is not None and v[0] < FLOOR <= v[1] for cell in found.values() for v in cell.values())
+    lines = ["", f"How far a cell is from AR in this run: each verified cell's 90% interval over its passes (Student's t "
+             "over the passes' log ratios against the AR decodes around them; *all*: every category's passes), "
+             f"against the {FLOOR:.2f}x floor. Wholly under it: " + ("; ".join(under) if under else "none") +
+             f"; reaching under it: {reach} cell(s).", "",
+             "| category | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for (batch, category), cell in found.items():
+        lines.append(f"| {category} | {batch} | " + " | ".join(
+            f"{cell[name][0]:.2f}-{cell[name][1]:.2f}" if cell.get(name) else "-" for name in names) + " |")
+    return lines
 
 
 def quiet(floor: tuple[float, float]) -> bool:

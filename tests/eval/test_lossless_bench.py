@@ -4,6 +4,7 @@ is compared with AR's (and a differing one is caught), HumanEval runs through it
 refused before anything is written."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from eval import lossless_bench, lossless_speed
 from eval.decoders import category_prompts, r2lm_decoder
 from eval.drafter_curve import merge_runs
 from eval.humaneval import completion_of, score
-from eval.lossless_report import BEGIN, END, noise_floor, per_doubling, render
+from eval.lossless_report import BEGIN, END, interval, intervals, noise_floor, per_doubling, render
 from r2lm import R2LMForDiffusionLM
 from r2lm.checkpoints import read_state, tag_of
 from r2lm.convert.from_hf import convert_from_hf
@@ -230,6 +231,30 @@ def test_a_run_whose_identical_decoders_differ_is_marked_not_quiet():
     assert "**Not a quiet run**: ar_again, the same AR decoding timed again, ran 0.94x-1.01x AR" in text
     assert "Not a quiet run" in part([1.0, 1.05])[1]
     assert "Noise floor: ar_again ran 0.97x-1.00x AR" in part([0.966, 1.0])[1]  # judged as the cells show it
+
+
+def test_a_cell_wholly_under_the_floor_is_told_from_one_that_only_reaches_under_it():
+    """Each verified cell's 90% interval over its passes (Student's t over the log ratios): passes all near 0.90x
+    lie wholly under the 0.97x floor; passes spread around 1.00x reach under it and are not named; "all" pools the
+    categories' passes. A single pass gives no interval."""
+    assert interval([[1.0, 1.0], [2.0, 2.0]]) == (1.0, 1.0) and interval([[1.0, 1.0]]) is None
+    lo, hi = interval([[2.0, 1.0], [1.0, 1.0]])  # log ratios ln 2 and 0: mean ln 2 / 2, its standard error too
+    assert math.isclose(lo, math.exp(math.log(2) / 2 * (1 - 6.314))) and math.isclose(hi, math.exp(math.log(2) / 2 * (1 + 6.314)))
+
+    def cell(passes):
+        return {"vs_ar": {"ar": 1.0, "verify:lookup": 0.9}, "tau": {"verify:lookup": 1.0}, "tokens_per_s": {"ar": 30.0},
+                "verify_is_ar": True, "ar_is_transformers": True, "against_ar": {"verify:lookup": passes}}
+
+    slow, spread = [[0.90, 1.0], [0.91, 1.0], [0.89, 1.0]], [[0.95, 1.0], [1.05, 1.0], [1.0, 1.0]]
+    speed = {"settings": {"max_prompt_tokens": 1024, "new_tokens": 64, "block_size": 8, "repeats": 3},
+             "measured": {"commit": "c0ffee0", "machine": {"cpu": "AMD EPYC", "capability": "AVX2", "cpus": 2}},
+             "reference": "r", "prompt_ids": {"code": [1], "chat": [2]}, "drafters": {},
+             "batches": {"1": {"code": cell(slow), "chat": cell(spread), "all": cell([[1.0, 1.0]] * 3)}}}
+    pooled = intervals(speed, ["verify:lookup"])[("1", "all")]["verify:lookup"]
+    assert pooled == interval(slow + spread)
+    text = render({"target": "t", "parts": {"speed": speed}})
+    assert "Wholly under it: code at batch 1 lookup; reaching under it: 2 cell(s)." in text
+    assert "| code | 1 | 0.88-0.92 |" in text
 
 
 def test_a_verified_output_that_differs_from_ar_is_reported(inputs):
