@@ -17,7 +17,8 @@ from r2lm.generation import window
 from r2lm.generation.costs import REMEASURE_BUDGET, MeasuredCosts, ScriptedCosts, StepClock, interpolate
 from r2lm.generation.costs import TRIALS as COST_TRIALS
 from r2lm.generation.hostwork import REST, WEIGHED
-from r2lm.generation.policy import MARGIN, PROBE_BUDGET, Adaptive, Longest, Policy
+from r2lm.generation.policy import MARGIN, Adaptive, Longest, Policy
+from r2lm.generation.prices import PROBE_BUDGET
 from r2lm.generation.proposal import Proposal
 from r2lm.ops.linear import install
 from tests.helpers.decoding import left_padded
