@@ -45,10 +45,8 @@ class HostWork:
         self.making = (self.host, drafter)
 
     def weigh(self, rows: int, spared: float, drafting: float, seconds: float) -> None:
-        """The drafts made (if any were made on the host since the last `weigh`) were chosen at a width expected to
-        spare `spared` seconds beyond its price, after `seconds` of choosing; `drafting`: the drafter's price."""
-        if self.making is None:
-            return
+        """The drafts `hosted` told of were chosen at a width expected to spare `spared` seconds beyond its price,
+        after `seconds` of choosing; `drafting`: the drafter's price."""
         host, drafter = self.making
         self.making = None
         sums = self.sums.get(rows, np.zeros(2))

@@ -363,9 +363,10 @@ class Adaptive(Pricing, Policy):
         self.decided = None
         start = time.perf_counter()
         width, siblings, rate = self.chosen(proposal)
-        price = self.price(len(proposal.draft))
-        self.host_work.weigh(len(proposal.draft), (rate - 1) * price.columns[width + siblings - 1] if width > 1 else 0.0,
-                             price.draft, time.perf_counter() - start)
+        if self.host_work.making is not None:  # drafts made on the host: what the choice spares against what they took
+            price = self.price(len(proposal.draft))
+            spared = (rate - 1) * price.columns[width + siblings - 1] if width > 1 else 0.0
+            self.host_work.weigh(len(proposal.draft), spared, price.draft, time.perf_counter() - start)
         return width
 
     def chosen(self, proposal: Proposal) -> tuple[int, int, float]:
